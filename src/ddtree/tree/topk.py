@@ -1,0 +1,48 @@
+"""Deterministic top-k of the drafter's logits with float32 log-softmax values."""
+
+from __future__ import annotations
+
+import torch
+
+_FLIP_MAGNITUDE = 0x7FFFFFFF  # flips every bit but the sign of a float32's bit pattern
+
+
+def sort_keys(logits32: torch.Tensor) -> torch.Tensor:
+    """Unique int64 keys whose descending order is (logit descending, token id ascending).
+
+    logits32: float32 [..., V]. High 32 bits: the float's bit pattern mapped to a signed integer
+    of the same order (negative floats have their magnitude bits flipped); low 32 bits:
+    V - 1 - token, so an equal logit ranks the smaller token id first. -0.0 is folded into +0.0
+    first because the two compare equal.
+    """
+    vocab = logits32.shape[-1]
+    bits = (logits32 + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ _FLIP_MAGNITUDE, bits).to(torch.int64)
+    reverse_ids = torch.arange(vocab - 1, -1, -1, device=logits32.device, dtype=torch.int64)
+    return (ordered << 32) | reverse_ids
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best tokens of every row and their log-softmax values.
+
+    logits: [B, D, V], any float dtype. k: 1 <= k <= V.
+    Returns logprobs float32 [B, D, k] and tokens int64 [B, D, k], ordered by logit descending,
+    equal logits by smaller token id first (a bare torch.topk leaves that order unspecified).
+    No host synchronization and no data-dependent allocation.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, D, V], got shape {tuple(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
+    vocab = logits.shape[-1]
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= vocab:
+        raise ValueError(f"k must be an int in [1, V={vocab}], got {k!r}")
+    if logits.dtype == torch.float64:
+        # Too wide for the packed key; a stable sort keeps equal logits in token order.
+        tokens = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
+        logprobs = logits.gather(-1, tokens) - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return logprobs.float(), tokens
+    logits32 = logits.float()  # exact for fp16 / bf16 / fp32
+    tokens = torch.topk(sort_keys(logits32), k, dim=-1, sorted=True).indices
+    logprobs = logits32.gather(-1, tokens) - torch.logsumexp(logits32, dim=-1, keepdim=True)
+    return logprobs, tokens

@@ -8,9 +8,11 @@ from .reference import accept_paths_reference, build_trees_reference
 from .types import (
     MAX_TRITON_BUDGET,
     MAX_TRITON_DEPTH,
+    TREE_FIELDS,
     DraftTrees,
     check_builder_inputs,
     check_builder_values,
+    check_out_trees,
     check_posterior,
     check_trees,
 )
@@ -40,6 +42,7 @@ def build_trees(
     *,
     backend: str = "auto",
     check: bool = False,
+    out: DraftTrees | None = None,
 ) -> DraftTrees:
     """Select each request's `budget` most likely draft continuations as a tree.
 
@@ -50,15 +53,24 @@ def build_trees(
                   "auto" (triton for CUDA tensors, reference otherwise).
     check:        also validate values (no NaN / +inf, sorted ranks); this syncs with the host.
                   The reference backend always does.
+    out:          optional DraftTrees buffers (empty_trees) to write into, e.g. a CUDA graph's
+                  static outputs; returned.
     Returns DraftTrees (types.py). Both backends return identical trees for identical inputs.
     """
     check_builder_inputs(top_logprobs, top_tokens, budget)
+    batch, depth, _ = top_logprobs.shape
+    if out is not None:
+        check_out_trees(out, batch, budget, depth, top_logprobs.device)
     backend = _resolve_backend(backend, top_logprobs.device)
     if check or backend == "reference":
         check_builder_values(top_logprobs, top_tokens, budget)
     if backend == "reference":
-        return build_trees_reference(top_logprobs, top_tokens, budget)
-    depth = top_logprobs.shape[1]
+        trees = build_trees_reference(top_logprobs, top_tokens, budget)
+        if out is None:
+            return trees
+        for name in TREE_FIELDS:
+            getattr(out, name).copy_(getattr(trees, name))
+        return out
     if budget > MAX_TRITON_BUDGET or depth > MAX_TRITON_DEPTH:
         raise ValueError(
             f"the triton builder supports budget <= {MAX_TRITON_BUDGET} and D <= {MAX_TRITON_DEPTH}, "
@@ -66,7 +78,7 @@ def build_trees(
         )
     from .build_triton import build_trees_triton
 
-    return build_trees_triton(top_logprobs, top_tokens, budget)
+    return build_trees_triton(top_logprobs, top_tokens, budget, out=out)
 
 
 def accept_paths(

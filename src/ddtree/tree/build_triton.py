@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .types import PAD, DraftTrees, visibility_words
+from .types import PAD, DraftTrees, empty_trees, visibility_words
 
 _PAD: tl.constexpr = tl.constexpr(PAD)
 
@@ -193,31 +193,32 @@ def default_num_warps(cap: int) -> int:
 
 
 def build_trees_triton(
-    top_logprobs: torch.Tensor, top_tokens: torch.Tensor, budget: int, *, num_warps: int | None = None
+    top_logprobs: torch.Tensor,
+    top_tokens: torch.Tensor,
+    budget: int,
+    *,
+    out: DraftTrees | None = None,
+    num_warps: int | None = None,
 ) -> DraftTrees:
     """Triton builder. Same contract as reference.build_trees_reference; inputs already validated.
 
-    top_logprobs float32 [B, D, K], top_tokens int64 [B, D, K] (any strides). Output sizes depend
-    only on (B, budget, D), so the launch is CUDA-graph capturable and never syncs with the host.
+    top_logprobs float32 [B, D, K], top_tokens int64 [B, D, K] (any strides). `out`, if given
+    (checked by the caller), receives the trees in place. Output sizes depend only on
+    (B, budget, D), so the launch is CUDA-graph capturable and never syncs with the host.
     """
     b, depth_max, k = top_logprobs.shape
-    device = top_logprobs.device
+    out = out or empty_trees(b, budget, depth_max, top_logprobs.device)
     words = visibility_words(budget)
     cap = triton.next_power_of_2(budget)
     w_pad = triton.next_power_of_2(words)
     rows = max(1, min(triton.next_power_of_2(budget + 1), 2048 // w_pad))
-    tokens = torch.empty((b, budget), dtype=torch.int64, device=device)
-    parents = torch.empty((b, budget), dtype=torch.int64, device=device)
-    depths = torch.empty((b, budget), dtype=torch.int64, device=device)
-    num_nodes = torch.empty((b,), dtype=torch.int64, device=device)
-    visibility = torch.empty((b, budget + 1, words), dtype=torch.int64, device=device)
     if b > 0:
         _build_tree_kernel[(b,)](
             top_logprobs, top_tokens,
-            tokens, parents, depths, num_nodes, visibility,
+            out.tokens, out.parents, out.depths, out.num_nodes, out.visibility,
             *top_logprobs.stride(), *top_tokens.stride(),
             budget, min(k, budget), depth_max, words,
             CAP=cap, ROWS=rows, W_PAD=w_pad,
             num_warps=num_warps or default_num_warps(cap),
         )
-    return DraftTrees(tokens, parents, depths, num_nodes, visibility, max_depth=depth_max)
+    return out

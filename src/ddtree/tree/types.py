@@ -15,6 +15,9 @@ PAD = -1
 MAX_TRITON_BUDGET = 1024
 MAX_TRITON_DEPTH = 63
 
+# The per-request tensors of a DraftTrees, in declaration order.
+TREE_FIELDS = ("tokens", "parents", "depths", "num_nodes", "visibility")
+
 
 def visibility_words(budget: int) -> int:
     """Number of int64 words per visibility row: ceil((budget + 1) / 64)."""
@@ -53,6 +56,42 @@ class DraftTrees:
     @property
     def batch_size(self) -> int:
         return self.tokens.shape[0]
+
+
+def empty_trees(batch: int, budget: int, max_depth: int, device: torch.device | str) -> DraftTrees:
+    """Uninitialized DraftTrees buffers of the given sizes (e.g. static buffers for CUDA graphs)."""
+
+    def empty(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.int64, device=device)
+
+    return DraftTrees(
+        tokens=empty(batch, budget),
+        parents=empty(batch, budget),
+        depths=empty(batch, budget),
+        num_nodes=empty(batch),
+        visibility=empty(batch, budget + 1, visibility_words(budget)),
+        max_depth=max_depth,
+    )
+
+
+def check_out_trees(out: DraftTrees, batch: int, budget: int, max_depth: int, device: torch.device) -> None:
+    """`out` must hold contiguous int64 buffers of the sizes empty_trees would give, on `device`."""
+    if out.max_depth != max_depth:
+        raise ValueError(f"out.max_depth is {out.max_depth}, the draft has D = {max_depth}")
+    want = {
+        "tokens": (batch, budget),
+        "parents": (batch, budget),
+        "depths": (batch, budget),
+        "num_nodes": (batch,),
+        "visibility": (batch, budget + 1, visibility_words(budget)),
+    }
+    for name, shape in want.items():
+        t = getattr(out, name)
+        if tuple(t.shape) != shape or t.dtype != torch.int64 or t.device != device or not t.is_contiguous():
+            raise ValueError(
+                f"out.{name} must be a contiguous int64 tensor of shape {shape} on {device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
 
 
 def check_builder_inputs(top_logprobs: torch.Tensor, top_tokens: torch.Tensor, budget: int) -> None:

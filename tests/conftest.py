@@ -1,0 +1,27 @@
+"""Test set-up: Triton kernels run natively on CUDA, and under TRITON_INTERPRET=1 on the CPU."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before any @triton.jit kernel is defined (triton reads it at decoration time).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+# Where the Triton kernels run: the GPU when there is one, else the CPU interpreter.
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    return KERNEL_DEVICE

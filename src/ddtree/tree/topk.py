@@ -22,12 +22,15 @@ def sort_keys(logits32: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | reverse_ids
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The k best tokens of every row and their log-softmax values.
 
     logits: [B, D, V], any float dtype. k: 1 <= k <= V.
+    backend: "reference" (packed sort keys + torch.topk, any device), "triton" (torch.topk values
+             + one Triton pass, fp16 / bf16 / fp32 on CUDA), "auto" (triton where it applies).
     Returns logprobs float32 [B, D, k] and tokens int64 [B, D, k], ordered by logit descending,
     equal logits by smaller token id first (a bare torch.topk leaves that order unspecified).
+    Both backends pick the same tokens; log-probs agree to float32 rounding of the normalizer.
     No host synchronization and no data-dependent allocation.
     """
     if logits.dim() != 3:
@@ -37,6 +40,20 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     vocab = logits.shape[-1]
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= vocab:
         raise ValueError(f"k must be an int in [1, V={vocab}], got {k!r}")
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+    narrow = logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if backend == "triton" and not narrow:
+        raise ValueError(f"the triton top-k takes fp16 / bf16 / fp32 logits, got {logits.dtype}")
+    if backend == "triton" or (backend == "auto" and narrow and logits.is_cuda):
+        from .topk_triton import topk_logprobs_triton
+
+        return topk_logprobs_triton(logits, k)
+    return topk_logprobs_reference(logits, k)
+
+
+def topk_logprobs_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference top-k (validated inputs): unique packed keys make torch.topk's order exact."""
     if logits.dtype == torch.float64:
         # Too wide for the packed key; a stable sort keeps equal logits in token order.
         tokens = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]

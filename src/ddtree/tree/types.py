@@ -49,6 +49,11 @@ class DraftTrees:
     visibility: torch.Tensor
     max_depth: int
 
+    def to(self, device: torch.device | str) -> "DraftTrees":
+        """The same trees with every tensor on `device`."""
+        moved = {name: getattr(self, name).to(device) for name in TREE_FIELDS}
+        return DraftTrees(**moved, max_depth=self.max_depth)
+
     @property
     def budget(self) -> int:
         return self.tokens.shape[1]

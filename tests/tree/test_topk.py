@@ -1,0 +1,82 @@
+"""topk_logprobs: exact tie order, log-softmax values, both backends, bad input."""
+
+import pytest
+import torch
+
+from ddtree.tree import topk_logprobs
+
+from .helpers import make_logits
+
+
+def _expected(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain specification: sort each row by (-logit, token id) in float64 and take k."""
+    x = logits.double()
+    b, d, v = x.shape
+    tokens = torch.empty(b, d, k, dtype=torch.int64)
+    for r in range(b):
+        for j in range(d):
+            row = x[r, j].tolist()
+            tokens[r, j] = torch.tensor(sorted(range(v), key=lambda t: (-row[t], t))[:k])
+    logprobs = x.gather(-1, tokens) - torch.logsumexp(x, -1, keepdim=True)
+    return logprobs, tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("kind", ["normal", "integer", "equal", "duplicated"])
+def test_reference_backend_matches_specification(dtype, kind):
+    gen = torch.Generator().manual_seed(0)
+    logits = make_logits(kind, 2, 3, 37, gen).to(dtype)
+    for k in (1, 5, 37):
+        lp, tok = topk_logprobs(logits, k, backend="reference")
+        want_lp, want_tok = _expected(logits, k)
+        assert tok.dtype == torch.int64 and lp.dtype == torch.float32
+        assert torch.equal(tok, want_tok), f"{kind} {dtype} k={k}"
+        torch.testing.assert_close(lp.double(), want_lp, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["bf16", "integer", "equal", "duplicated", "peaked"])
+def test_triton_backend_matches_reference(dtype, kind, kernel_device):
+    gen = torch.Generator().manual_seed(1)
+    logits = make_logits(kind, 2, 2, 3000, gen).to(dtype)  # > one 2048-wide block per row
+    for k in (1, 64, 300):
+        lp, tok = topk_logprobs(logits.to(kernel_device), k, backend="triton")
+        want_lp, want_tok = topk_logprobs(logits, k, backend="reference")
+        assert torch.equal(tok.cpu(), want_tok), f"{kind} {dtype} k={k}"
+        torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=4e-6)
+
+
+def test_negative_zero_ties_with_zero():
+    logits = torch.tensor([[[0.0, -0.0, 1.0, -0.0, 0.0]]])
+    _, tok = topk_logprobs(logits, 5, backend="reference")
+    assert tok.tolist() == [[[2, 0, 1, 3, 4]]]
+
+
+def test_log_probs_are_log_softmax():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 4, 50, generator=gen)
+    lp, tok = topk_logprobs(logits, 50)
+    want = torch.log_softmax(logits.double(), -1).gather(-1, tok)
+    torch.testing.assert_close(lp.double(), want, rtol=0, atol=1e-6)
+    assert (lp[..., 1:] <= lp[..., :-1]).all()
+
+
+@pytest.mark.parametrize(
+    "logits,k,error,match",
+    [
+        (torch.zeros(2, 5), 2, ValueError, r"\[B, D, V\]"),
+        (torch.zeros(1, 2, 5, dtype=torch.int64), 2, TypeError, "float"),
+        (torch.zeros(1, 2, 5), 0, ValueError, "k must be"),
+        (torch.zeros(1, 2, 5), 6, ValueError, "k must be"),
+    ],
+)
+def test_bad_input(logits, k, error, match):
+    with pytest.raises(error, match=match):
+        topk_logprobs(logits, k)
+
+
+def test_bad_backend():
+    with pytest.raises(ValueError, match="backend"):
+        topk_logprobs(torch.zeros(1, 1, 4), 2, backend="cuda")
+    with pytest.raises(ValueError, match="float64"):
+        topk_logprobs(torch.zeros(1, 1, 4, dtype=torch.float64), 2, backend="triton")

@@ -86,9 +86,7 @@ def _build_tree_kernel(
     info_vec = tl.where(at0, 1, zero)  # ord 0, slot 0, parent 0 (root), rank 0, depth 1
     lps_vec = tl.where(at0, _pack_lps(next0, child0), zero)
 
-    node_depth = tl.full([CAP], _PAD, tl.int64)
-    node_rank = tl.zeros([CAP], tl.int64)
-    node_parent = tl.full([CAP], _PAD, tl.int64)
+    node_info = tl.zeros([CAP], tl.int64)  # info of node i + 1 when popped (depth, rank, parent bits)
     n_nodes = tl.zeros([], tl.int64)
     n_slots = tl.full([], 1, tl.int64)
     # Loads for the candidates pushed last step (f: first child, s: next sibling), merged late.
@@ -116,35 +114,35 @@ def _build_tree_kernel(
         child_lp = lps.to(tl.int32).to(tl.float32, bitcast=True)  # truncation keeps the low word
 
         # Record node `step + 1`.
-        here = offs == tl.where(alive, step, -1)
-        node_depth = tl.where(here, depth, node_depth)
-        node_rank = tl.where(here, rank, node_rank)
-        node_parent = tl.where(here, parent, node_parent)
+        node_info = tl.where(offs == tl.where(alive, step, -1), info, node_info)
         n_nodes += alive.to(tl.int64)
 
-        # Successors: first child takes the popped slot and order, next sibling follows it.
+        # Successors: the first child takes the popped slot and its order, the next sibling
+        # follows it (in the popped slot if there is no child, else in a new slot); the other
+        # live candidates after it in path order shift by the net count.
         has_child = alive & (child_lp > NEG_INF)
         has_sib = alive & (next_lp > NEG_INF)
+        both = has_child & has_sib
         w_f = w + child_lp.to(tl.float64)
         base_f = w_f - child_lp.to(tl.float64)
         w_s = base + next_lp.to(tl.float64)
         base_s = w_s - next_lp.to(tl.float64)
         slot_s = tl.where(has_child, n_slots, slot)
-        n_slots += (has_child & has_sib).to(tl.int64)
-        ord_s = ordv + has_child.to(tl.int64)
+        n_slots += both.to(tl.int64)
+        info_f = _pack_info(ordv, slot, step + 1, 0, depth + 1)
+        info_s = _pack_info(ordv + has_child.to(tl.int64), slot_s, parent, rank + 1, depth)
         shift = has_child.to(tl.int64) + has_sib.to(tl.int64) - 1
         later = (info_vec >> 38) > tl.where(alive, ordv, 1 << 20)
         info_vec = tl.where(later, info_vec + (shift << 38), info_vec)
-        w_vec = tl.where(offs == tl.where(alive, slot, -1), NEG_INF, w_vec)
 
-        put_f = offs == tl.where(has_child, slot, -1)
-        w_vec = tl.where(put_f, w_f, w_vec)
-        base_vec = tl.where(put_f, base_f, base_vec)
-        info_vec = tl.where(put_f, _pack_info(ordv, slot, step + 1, 0, depth + 1), info_vec)
-        put_s = offs == tl.where(has_sib, slot_s, -1)
-        w_vec = tl.where(put_s, w_s, w_vec)
-        base_vec = tl.where(put_s, base_s, base_vec)
-        info_vec = tl.where(put_s, _pack_info(ord_s, slot_s, parent, rank + 1, depth), info_vec)
+        at_slot = offs == tl.where(alive, slot, -1)
+        w_vec = tl.where(at_slot, tl.where(has_child, w_f, tl.where(has_sib, w_s, NEG_INF)), w_vec)
+        base_vec = tl.where(at_slot, tl.where(has_child, base_f, base_s), base_vec)
+        info_vec = tl.where(at_slot, tl.where(has_child, info_f, info_s), info_vec)
+        at_new = offs == tl.where(both, slot_s, -1)
+        w_vec = tl.where(at_new, w_s, w_vec)
+        base_vec = tl.where(at_new, base_s, base_vec)
+        info_vec = tl.where(at_new, info_s, info_vec)
 
         # Issue the loads the new candidates need once they are popped.
         pf_slot = tl.where(has_child, slot, -1)
@@ -158,6 +156,9 @@ def _build_tree_kernel(
 
     # Per-node outputs: tokens gathered once at the end, PAD past num_nodes.
     valid = offs < n_nodes
+    node_depth = tl.where(valid, node_info & 0x3F, _PAD)
+    node_rank = (node_info >> 6) & 0x3FF
+    node_parent = tl.where(valid, (node_info >> 16) & 0x7FF, _PAD)
     in_budget = offs < budget
     tok = tl.load(
         tok_ptr + b * stride_tb + (node_depth - 1) * stride_td + node_rank * stride_tk, mask=valid, other=_PAD

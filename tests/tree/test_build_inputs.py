@@ -68,12 +68,12 @@ def test_negative_token_ids_refused():
         build_trees(lp, tok, 4, backend="reference")
 
 
-def test_backend_limits():
+def test_backend_limits(kernel_device):
     lp, tok = _draft()
     with pytest.raises(ValueError, match="backend must be one of"):
         build_trees(lp, tok, 4, backend="gpu")
     with pytest.raises(ValueError, match="budget <= 1024"):
-        build_trees(lp, tok, 1025, backend="triton")
+        build_trees(lp.to(kernel_device), tok.to(kernel_device), 1025, backend="triton")
     assert int(build_trees(lp, tok, 1025, backend="reference").num_nodes.max()) == 4 + 16 + 64
 
 

@@ -80,3 +80,15 @@ def test_bad_backend():
         topk_logprobs(torch.zeros(1, 1, 4), 2, backend="cuda")
     with pytest.raises(ValueError, match="float64"):
         topk_logprobs(torch.zeros(1, 1, 4, dtype=torch.float64), 2, backend="triton")
+
+
+def test_minus_inf_logits_tie_in_token_order(kernel_device):
+    # A row with few finite logits: the rest tie at -inf and must come in token order.
+    logits = torch.full((1, 2, 3000), float("-inf"))
+    logits[0, 0, 5] = 1.0
+    logits[0, 1, :3] = 0.0
+    want = [[[5, 0, 1, 2, 3, 4, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]]]
+    for backend, device in (("reference", "cpu"), ("triton", kernel_device)):
+        lp, tok = topk_logprobs(logits.to(device), 10, backend=backend)
+        assert tok.tolist() == want
+        assert lp[0, 0, 0].item() == 0.0 and lp[0, 1, 0].item() == pytest.approx(-1.0986123, abs=1e-6)

@@ -34,13 +34,14 @@ def _select_kernel(
         ids = start + offs
         inside = ids < vocab
         x = tl.where(inside, tl.load(x_row + ids, mask=inside, other=0).to(tl.float32), float("-inf"))
-        equal = (x == t) & inside
-        equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among equals
-        pick = (x > t) | (equal & (equal_rank <= need))
-        pos = taken + tl.cumsum(pick.to(tl.int32), 0) - 1
-        tl.store(out_idx_ptr + row * k + pos, ids.to(tl.int64), mask=pick)
-        taken += tl.sum(pick.to(tl.int32), 0)
-        equal_seen += tl.sum(equal.to(tl.int32), 0)
+        if tl.sum((x >= t).to(tl.int32), 0) > 0:  # most blocks hold no candidate: skip the scans
+            equal = (x == t) & inside
+            equal_rank = equal_seen + tl.cumsum(equal.to(tl.int32), 0)  # 1-based among equals
+            pick = (x > t) | (equal & (equal_rank <= need))
+            pos = taken + tl.cumsum(pick.to(tl.int32), 0) - 1
+            tl.store(out_idx_ptr + row * k + pos, ids.to(tl.int64), mask=pick)
+            taken += tl.sum(pick.to(tl.int32), 0)
+            equal_seen += tl.sum(equal.to(tl.int32), 0)
         # Online log-sum-exp in float32 (base 2 for exp2).
         m_new = tl.maximum(m, tl.max(x, 0))
         s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((x - m_new) * LOG2E), 0)

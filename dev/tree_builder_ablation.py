@@ -35,9 +35,8 @@ def row(name, lp, tok, budget, **kw):
 print("| case | budget | options | us | bit-exact | max depth |\n|---|---|---|---|---|---|")
 for budget in (16, 64, 512):
     lp, tok = draft(64, 15, budget)
-    for gather in (False, True):
-        for warps in ((1, 2) if budget <= 64 else (2, 4)):
-            row("B64 D15", lp, tok, budget, vis_gather=gather, num_warps=warps)
+    for warps in ((1, 2) if budget <= 64 else (2, 4)):
+        row("B64 D15", lp, tok, budget, num_warps=warps)
 lp, tok = draft(64, 15, 64)
 dead = lp.clone()
 dead[:, 0, :] = float("-inf")  # empty trees: the loop runs with no loads and no pops

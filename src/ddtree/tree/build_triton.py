@@ -65,7 +65,7 @@ def _build_tree_kernel(
     stride_lb, stride_ld, stride_lk,
     stride_tb, stride_td, stride_tk,
     budget, k_used, depth_max, num_words,
-    CAP: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr, VIS_GATHER: tl.constexpr,
+    CAP: tl.constexpr, ROWS: tl.constexpr, W_PAD: tl.constexpr,
 ):
     NEG_INF: tl.constexpr = float("-inf")
     b = tl.program_id(0).to(tl.int64)
@@ -168,11 +168,9 @@ def _build_tree_kernel(
     tl.store(out_parents + row_out, node_parent, mask=in_budget)
     tl.store(out_depths + row_out, node_depth, mask=in_budget)
     tl.store(out_num_nodes + b, n_nodes)
-    if not VIS_GATHER:
-        tl.debug_barrier()  # the ancestor walk below reads parents written by other threads
 
-    # Visibility rows: walk each row's ancestors, root included (tree depth + 1 of them).
-    parents_row = out_parents + b * budget
+    # Visibility rows: walk each row's ancestors, root included (tree depth + 1 of them), reading
+    # parents from registers (a warp shuffle / shared-memory gather, not a global round trip).
     levels = tl.maximum(tl.max(node_depth), 0) + 1
     word_ids = tl.arange(0, W_PAD)
     one = tl.full([ROWS], 1, tl.int64)
@@ -184,10 +182,7 @@ def _build_tree_kernel(
             hit = (anc[:, None] >= 0) & ((anc[:, None] >> 6) == word_ids[None, :])
             words |= tl.where(hit, (one << (anc & 63))[:, None], 0)
             up = anc > 0
-            if VIS_GATHER:
-                anc = tl.where(up, tl.gather(node_parent, tl.where(up, anc - 1, 0).to(tl.int32), 0), -1)
-            else:
-                anc = tl.where(up, tl.load(parents_row + anc - 1, mask=up, other=_PAD), -1)
+            anc = tl.where(up, tl.gather(node_parent, tl.where(up, anc - 1, 0).to(tl.int32), 0), -1)
         vis_ptr = out_vis + (b * (budget + 1) + rows[:, None]) * num_words + word_ids[None, :]
         tl.store(vis_ptr, words, mask=(rows[:, None] <= budget) & (word_ids[None, :] < num_words))
 
@@ -205,7 +200,6 @@ def build_trees_triton(
     *,
     out: DraftTrees | None = None,
     num_warps: int | None = None,
-    vis_gather: bool = True,
 ) -> DraftTrees:
     """Triton builder. Same contract as reference.build_trees_reference; inputs already validated.
 
@@ -225,7 +219,7 @@ def build_trees_triton(
             out.tokens, out.parents, out.depths, out.num_nodes, out.visibility,
             *top_logprobs.stride(), *top_tokens.stride(),
             budget, min(k, budget), depth_max, words,
-            CAP=cap, ROWS=rows, W_PAD=w_pad, VIS_GATHER=vis_gather,
+            CAP=cap, ROWS=rows, W_PAD=w_pad,
             num_warps=num_warps or default_num_warps(cap),
         )
     return out

@@ -1,0 +1,153 @@
+"""tree_verify_mla: checks at the boundary, split-KV choice, launch."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton import knobs
+
+from .tree_verify import LOG2E, _merge_splits_kernel, _tree_verify_kernel
+
+VALUE_DIM = 512  # kv_lora_rank of DeepSeek-V3 / Kimi K2: the latent, which is also V
+BLOCK_M = 64  # query rows (node, head) per program
+BLOCK_N = 64  # keys per KV tile
+MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter: any small number exercises the split path
+
+
+def choose_num_splits(batch: int, rows: int, max_keys: int, device: torch.device) -> int:
+    """Split the key range when row tiles alone cannot fill the GPU (about two programs per
+    multiprocessor), keeping at least MIN_KEYS_PER_SPLIT keys per split. From shapes only."""
+    tiles = batch * triton.cdiv(rows, BLOCK_M)
+    want = triton.cdiv(2 * _multiprocessors(device), max(tiles, 1))
+    return max(1, min(want, MAX_SPLITS, max_keys // MIN_KEYS_PER_SPLIT))
+
+
+def _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, N, H, D], got shape {tuple(q.shape)}")
+    batch, rows, _, dim = q.shape
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q must be bf16 or fp16, got {q.dtype}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != dim:
+        raise ValueError(f"kv_cache must be [num_pages, page_size, {dim}] to match q, got {tuple(kv_cache.shape)}")
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} != q dtype {q.dtype}")
+    rope = dim - VALUE_DIM
+    if rope < 16 or rope & (rope - 1):
+        raise ValueError(f"q's last dim must be {VALUE_DIM} + a power-of-two rope dim >= 16, got {dim}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache must be contiguous in their last dimension")
+    for name, t, dtypes, shape in (
+        ("block_table", block_table, (torch.int32,), None),
+        ("prefix_lens", prefix_lens, (torch.int32,), (batch,)),
+        ("num_nodes", num_nodes, (torch.int32, torch.int64), (batch,)),
+        ("visibility", visibility, (torch.int64,), (batch, rows, triton.cdiv(rows, 64))),
+    ):
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        if shape is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be [B={batch}, max_pages], got {tuple(block_table.shape)}")
+    if kv_cache.device != q.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device} but q is on {q.device}")
+
+
+def _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows) -> None:
+    """Checks that read the metadata back (a host sync): lengths, pages and block table."""
+    if (num_nodes < 0).any() or (num_nodes > rows).any():
+        raise ValueError(f"num_nodes must be in [0, N={rows}], got {num_nodes.tolist()}")
+    if (prefix_lens < 0).any():
+        raise ValueError(f"prefix_lens must be >= 0, got {prefix_lens.tolist()}")
+    page_size = kv_cache.shape[1]
+    pages_needed = (prefix_lens.long() + num_nodes.long() + page_size - 1) // page_size
+    if (pages_needed > block_table.shape[1]).any():
+        b = int((pages_needed > block_table.shape[1]).nonzero()[0])
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} pages per request but request {b} needs "
+            f"{int(pages_needed[b])} (prefix {int(prefix_lens[b])} + {int(num_nodes[b])} rows, page size {page_size})"
+        )
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_needed[:, None]
+    bad = used & ((block_table < 0) | (block_table >= kv_cache.shape[0]))
+    if bad.any():
+        b, p = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {p}] = {int(block_table[b, p])} is not a page of kv_cache (0..{kv_cache.shape[0] - 1})")
+
+
+def tree_verify_mla(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    num_nodes: torch.Tensor,
+    visibility: torch.Tensor,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-form MLA attention of every draft-tree node over its prefix and its ancestors.
+
+    q:            bf16/fp16 [B, N, H, 576]: row (b, n, h) is tree row n (0 = root) for head h;
+                  576 = 512 latent dims (also the value) + 64 rotary dims.
+    kv_cache:     same dtype [num_pages, page_size, 576], one entry per token shared by all heads.
+    block_table:  int32 [B, max_pages], page ids of each request's tokens in order.
+    prefix_lens:  int32 [B], committed tokens; tree row n's own entry is at slot prefix_lens + n.
+    num_nodes:    int32/int64 [B], valid rows per request (root + tree nodes, <= N); rows past it
+                  are padding and come back as zeros (lse -inf); their cache slots are never read.
+    visibility:   int64 [B, N, ceil(N / 64)], the builder's ancestor bitmask (bit j of word j // 64
+                  of row n: row n sees tree row j).
+    softmax_scale: multiplies q.k (for DeepSeek-V3 / Kimi K2: (qk_nope + qk_rope)^-0.5 * mscale^2).
+    num_splits:   key-range splits (flash-decoding); None picks from the shapes alone.
+    check:        validate lengths and page ids against the block table (reads them back: a host
+                  sync; pass False inside CUDA graphs once the metadata is known to be valid).
+    Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
+    """
+    _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility)
+    batch, rows, heads, dim = q.shape
+    if check:
+        _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, rows * heads, block_table.shape[1] * kv_cache.shape[1], q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    out = torch.empty(batch, rows, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, rows, heads, dtype=torch.float32, device=q.device)
+    if batch * rows * heads == 0:
+        return out, lse
+    if num_splits == 1:
+        part, part_lse = out.unsqueeze(3), lse.unsqueeze(3)
+    else:
+        part = torch.empty(batch, rows, heads, num_splits, VALUE_DIM, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, rows, heads, num_splits, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
+    _tree_verify_kernel[grid](
+        q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
+        part, part_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), visibility.stride(0), visibility.stride(1),
+        *part.stride()[:4], *part_lse.stride(),
+        softmax_scale * LOG2E, rows * heads, heads, kv_cache.shape[1], num_splits,
+        D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DOT_F32=q.dtype == torch.bfloat16 and knobs.runtime.interpret,
+        num_warps=8, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch * rows * heads,)](
+            part, part_lse, out, lse, num_splits,
+            D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out, lse

@@ -97,6 +97,7 @@ def tree_verify_mla(
     *,
     num_splits: int | None = None,
     check: bool = True,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form MLA attention of every draft-tree node over its prefix and its ancestors.
 
@@ -113,6 +114,7 @@ def tree_verify_mla(
     num_splits:   key-range splits (flash-decoding); None picks from the shapes alone.
     check:        validate lengths and page ids against the block table (reads them back: a host
                   sync; pass False inside CUDA graphs once the metadata is known to be valid).
+    out:          optional (out, lse) buffers to write into, e.g. a CUDA graph's static outputs.
     Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
     """
     _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility)
@@ -123,8 +125,16 @@ def tree_verify_mla(
         num_splits = choose_num_splits(batch, rows * heads, block_table.shape[1] * kv_cache.shape[1], q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    out = torch.empty(batch, rows, heads, VALUE_DIM, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, rows, heads, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = (
+            torch.empty(batch, rows, heads, VALUE_DIM, dtype=q.dtype, device=q.device),
+            torch.empty(batch, rows, heads, dtype=torch.float32, device=q.device),
+        )
+    out, lse = out
+    for name, t, shape, dtype in (("out", out, (batch, rows, heads, VALUE_DIM), q.dtype),
+                                  ("lse", lse, (batch, rows, heads), torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
     if batch * rows * heads == 0:
         return out, lse
     if num_splits == 1:

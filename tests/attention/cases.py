@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.tree import build_trees, topk_logprobs
+from ddtree.tree import build_trees, pack_visibility, topk_logprobs
 
 
 @dataclass
@@ -24,11 +24,7 @@ class Case:
 
 def chain_visibility(batch: int, rows: int) -> torch.Tensor:
     """Row n sees rows 0..n."""
-    vis = torch.zeros(batch, rows, (rows + 63) // 64, dtype=torch.int64)
-    for n in range(rows):
-        for j in range(n + 1):
-            vis[:, n, j // 64] |= torch.tensor(1, dtype=torch.int64) << (j % 64)
-    return vis
+    return pack_visibility(torch.ones(rows, rows, dtype=torch.bool).tril().expand(batch, rows, rows))
 
 
 def tree_visibility(tree_rows: list[int], rows: int, gen: torch.Generator) -> torch.Tensor:

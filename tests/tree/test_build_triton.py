@@ -8,7 +8,7 @@ import torch
 from ddtree.tree import TREE_FIELDS, build_trees, empty_trees
 
 from ..conftest import HAS_CUDA
-from .helpers import assert_trees_equal, make_draft, with_zero_probability
+from .helpers import assert_trees_equal, make_draft, make_logits, with_zero_probability
 
 
 POISON = -7_777_777  # no valid output is ever this: an unwritten element shows
@@ -93,25 +93,29 @@ def test_full_size_on_gpu(batch, budget, depth):
 
 @pytest.mark.cuda
 def test_graph_capture_replays_new_inputs():
-    """The builder and accept walk capture into one CUDA graph (no sync, no data-dependent
-    allocation) and a replay on new inputs still matches the reference."""
+    """Top-k, the builder and the accept walk capture into one CUDA graph (no sync, no
+    data-dependent allocation) and a replay on new logits still matches the reference."""
     from ddtree.tree import accept_paths
 
+    from ddtree.tree import topk_logprobs
+
     gen = torch.Generator().manual_seed(0)
-    lp, tok = make_draft("bf16", 8, 15, 500, 64, gen, device="cuda")
+    logits = make_logits("bf16", 8, 15, 500, gen).cuda()
     post = torch.zeros(8, 65, dtype=torch.int64, device="cuda")
-    build_trees(lp, tok, 64)  # compile outside the capture
+    build_trees(*topk_logprobs(logits, 64), 64)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        lp, tok = topk_logprobs(logits, 64)
         trees = build_trees(lp, tok, 64)
         accepted, accept_len, bonus = accept_paths(trees, post)
-    lp2, tok2 = make_draft("integer", 8, 15, 500, 64, gen, device="cuda")
-    lp.copy_(lp2)
-    tok.copy_(tok2)
+    logits2 = make_logits("integer", 8, 15, 500, gen)
+    lp2, tok2 = topk_logprobs(logits2, 64, backend="reference")
+    logits.copy_(logits2)
     post.copy_(tok2[:, 0, :1].expand(8, 65))
     graph.replay()
     torch.cuda.synchronize()
-    want = build_trees(lp2.cpu(), tok2.cpu(), 64, backend="reference")
+    assert torch.equal(tok.cpu(), tok2)
+    want = build_trees(lp.cpu(), tok2, 64, backend="reference")
     assert_trees_equal(trees, want, "graph replay")
     ref_walk = accept_paths(want, post.cpu(), backend="reference")
     for got, exp in zip((accepted, accept_len, bonus), ref_walk):

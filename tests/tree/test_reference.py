@@ -106,3 +106,22 @@ def test_structure_and_visibility(kind):
             bits = {j for j in range(budget + 1) if (int(trees.visibility[r, i, j // 64]) >> (j % 64)) & 1}
             assert bits == expected
         assert (trees.visibility[r, n + 1 :] == 0).all()
+
+
+def test_pack_visibility_matches_builder_rows():
+    from ddtree.tree import pack_visibility
+
+    gen = torch.Generator().manual_seed(4)
+    lp, tok = make_draft("bf16", 2, 6, 50, 30, gen)
+    trees = build_trees(lp, tok, 130, backend="reference")  # 131 rows: 3 words, bit 63 used
+    for r in range(2):
+        n = int(trees.num_nodes[r]) + 1
+        seen = torch.zeros(131, 131, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while True:
+                seen[i, j] = True
+                if j == 0:
+                    break
+                j = int(trees.parents[r, j - 1])
+        assert torch.equal(pack_visibility(seen), trees.visibility[r])

@@ -98,6 +98,9 @@ def tree_verify_mla(
     num_splits: int | None = None,
     check: bool = True,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = 8,
+    num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form MLA attention of every draft-tree node over its prefix and its ancestors.
 
@@ -115,6 +118,7 @@ def tree_verify_mla(
     check:        validate lengths and page ids against the block table (reads them back: a host
                   sync; pass False inside CUDA graphs once the metadata is known to be valid).
     out:          optional (out, lse) buffers to write into, e.g. a CUDA graph's static outputs.
+    block_n, num_warps, num_stages: kernel tuning (keys per KV tile, warps, pipeline depth).
     Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
     """
     _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility)
@@ -151,9 +155,9 @@ def tree_verify_mla(
         block_table.stride(0), visibility.stride(0), visibility.stride(1),
         *part.stride()[:4], *part_lse.stride(),
         softmax_scale * LOG2E, rows * heads, heads, kv_cache.shape[1], num_splits,
-        D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         DOT_F32=q.dtype == torch.bfloat16 and knobs.runtime.interpret,
-        num_warps=8, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch * rows * heads,)](

@@ -63,6 +63,17 @@ class DraftTrees:
         return self.tokens.shape[0]
 
 
+def pack_visibility(seen: torch.Tensor) -> torch.Tensor:
+    """Pack a bool mask [..., N, N] (row i sees column j) into int64 words [..., N, ceil(N / 64)]
+    with the bitmask layout of DraftTrees.visibility (bit j of word j // 64)."""
+    n = seen.shape[-1]
+    words = (n + 63) // 64
+    padded = torch.nn.functional.pad(seen.to(torch.int64), (0, words * 64 - n))
+    bits = padded.view(*seen.shape[:-1], words, 64)
+    weights = torch.ones(64, dtype=torch.int64, device=seen.device) << torch.arange(64, device=seen.device)
+    return (bits * weights).sum(-1)  # bit 63 wraps to the sign bit, as intended
+
+
 def empty_trees(batch: int, budget: int, max_depth: int, device: torch.device | str) -> DraftTrees:
     """Uninitialized DraftTrees buffers of the given sizes (e.g. static buffers for CUDA graphs)."""
 

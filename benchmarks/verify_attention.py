@@ -85,8 +85,8 @@ def sweep(ceilings) -> None:
     print("| B | prefix | N | block_n | warps | stages | us | TFLOP/s |\n|---|---|---|---|---|---|---|---|")
     for batch, prefix, rows in [(32, 4096, 65), (1, 32768, 16), (64, 512, 16)]:
         for block_n in (32, 64):
-            for warps in (8,):
-                for stages in (2, 3):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
                     try:
                         r = measure(batch, prefix, rows, ceilings, with_sdpa=False,
                                     block_n=block_n, num_warps=warps, num_stages=stages)

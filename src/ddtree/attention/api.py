@@ -154,8 +154,8 @@ def tree_verify_mla(
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), visibility.stride(0), visibility.stride(1),
         *part.stride()[:4], *part_lse.stride(),
-        softmax_scale * LOG2E, rows * heads, heads, num_splits,
-        D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, PAGE_SIZE=kv_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        softmax_scale * LOG2E, rows * heads, heads, kv_cache.shape[1], num_splits,
+        D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         DOT_F32=q.dtype == torch.bfloat16 and knobs.runtime.interpret,
         num_warps=num_warps, num_stages=num_stages,
     )

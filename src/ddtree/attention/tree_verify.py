@@ -27,48 +27,6 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(
-    acc, m_i, l_i, q_nope, q_rope, k0, k_end, prefix,
-    kv_ptr, bt_row, vis_rows, row_ok, qk_scale, stride_kvp, stride_kvs,
-    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    TREE: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """One KV tile of online softmax. TREE=False: every key is a visible prefix key (no masks,
-    no branches, so the loop pipelines); TREE=True: bounds and the ancestor bitmask apply."""
-    keys = k0 + tl.arange(0, BLOCK_N)
-    offs_v = tl.arange(0, D_V)
-    offs_r = tl.arange(0, D_ROPE)
-    key_ok = keys < k_end
-    if TREE:
-        page = tl.load(bt_row + keys // PAGE_SIZE, mask=key_ok, other=0)
-    else:
-        page = tl.load(bt_row + keys // PAGE_SIZE)
-    kv_row = kv_ptr + page.to(tl.int64)[:, None] * stride_kvp + (keys % PAGE_SIZE)[:, None] * stride_kvs
-    if TREE:
-        k_nope = tl.load(kv_row + offs_v[None, :], mask=key_ok[:, None], other=0.0)
-        k_rope = tl.load(kv_row + D_V + offs_r[None, :], mask=key_ok[:, None], other=0.0)
-    else:
-        k_nope = tl.load(kv_row + offs_v[None, :])
-        k_rope = tl.load(kv_row + D_V + offs_r[None, :])
-    s = _dot(q_nope, tl.trans(k_nope), tl.zeros([q_nope.shape[0], BLOCK_N], tl.float32), DOT_F32)
-    s = _dot(q_rope, tl.trans(k_rope), s, DOT_F32) * qk_scale  # log2 domain
-    if TREE:
-        j = keys - prefix
-        in_tree = (j >= 0)[None, :]
-        allowed = key_ok[None, :] & row_ok[:, None]
-        word = tl.load(vis_rows[:, None] + (j >> 6)[None, :], mask=in_tree & allowed, other=0)
-        seen = ((word >> (j & 63)[None, :]) & 1) != 0
-        s = tl.where(allowed & (~in_tree | seen), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], DOT_F32)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _tree_verify_kernel(
     q_ptr, kv_ptr, block_table_ptr, prefix_ptr, num_nodes_ptr, vis_ptr,
     out_ptr, lse_ptr,
@@ -77,8 +35,8 @@ def _tree_verify_kernel(
     stride_btb, stride_visb, stride_visn,
     stride_ob, stride_on, stride_oh, stride_os,
     stride_lb, stride_ln, stride_lh, stride_ls,
-    qk_scale, rows_per_req, heads, num_splits,
-    D_V: tl.constexpr, D_ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    qk_scale, rows_per_req, heads, page_size, num_splits,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -97,30 +55,45 @@ def _tree_verify_kernel(
     q_row = q_ptr + b * stride_qb + node[:, None] * stride_qn + head[:, None] * stride_qh
     q_nope = tl.load(q_row + offs_v[None, :], mask=row_ok[:, None], other=0.0)
     q_rope = tl.load(q_row + D_V + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-    bt_row = block_table_ptr + b * stride_btb
-    vis_rows = vis_ptr + b * stride_visb + node * stride_visn
 
-    # This split's key range, in whole KV tiles; tiles wholly inside the prefix need no mask.
+    # This split's key range, in whole KV tiles.
     chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     k_start = split * chunk
     k_end = tl.minimum(k_start + chunk, kv_len)
-    prefix_tiles_end = tl.minimum(k_end, (prefix // BLOCK_N) * BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-    for k0 in range(k_start, prefix_tiles_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_nope, q_rope, k0, k_end, prefix, kv_ptr, bt_row, vis_rows, row_ok,
-            qk_scale, stride_kvp, stride_kvs, D_V, D_ROPE, BLOCK_N, PAGE_SIZE, False, DOT_F32,
-        )
-    for k0 in range(tl.maximum(k_start, prefix_tiles_end), k_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_nope, q_rope, k0, k_end, prefix, kv_ptr, bt_row, vis_rows, row_ok,
-            qk_scale, stride_kvp, stride_kvs, D_V, D_ROPE, BLOCK_N, PAGE_SIZE, True, DOT_F32,
-        )
+    offs_n = tl.arange(0, BLOCK_N)
+    for k0 in range(k_start, k_end, BLOCK_N):
+        keys = k0 + offs_n
+        key_ok = keys < k_end
+        page = tl.load(block_table_ptr + b * stride_btb + keys // page_size, mask=key_ok, other=0)
+        kv_row = kv_ptr + page.to(tl.int64)[:, None] * stride_kvp + (keys % page_size)[:, None] * stride_kvs
+        k_nope = tl.load(kv_row + offs_v[None, :], mask=key_ok[:, None], other=0.0)
+        k_rope = tl.load(kv_row + D_V + offs_r[None, :], mask=key_ok[:, None], other=0.0)
+        s = _dot(q_nope, tl.trans(k_nope), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_F32)
+        s = _dot(q_rope, tl.trans(k_rope), s, DOT_F32) * qk_scale  # log2 domain
+        allowed = key_ok[None, :] & row_ok[:, None]
+        if k0 + BLOCK_N > prefix:  # the tile reaches the tree slots: apply the ancestor mask
+            j = keys - prefix
+            in_tree = (j >= 0)[None, :]
+            word = tl.load(
+                vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
+                mask=in_tree & allowed, other=0,
+            )
+            seen = ((word >> (j & 63)[None, :]) & 1) != 0
+            allowed = allowed & (~in_tree | seen)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], DOT_F32)
+        m_i = m_new
 
-    has_keys = row_ok & (l_i > 0.0)  # padding rows ran on zero queries in the prefix: drop them
+    has_keys = l_i > 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     in_req = rows < rows_per_req

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ddtree.tree import topk_logprobs
+from ddtree.tree.topk_triton import topk_logprobs_triton
 
 from .helpers import make_logits
 
@@ -40,10 +41,12 @@ def test_triton_backend_matches_reference(dtype, kind, kernel_device):
     gen = torch.Generator().manual_seed(1)
     logits = make_logits(kind, 2, 2, 3000, gen).to(dtype)  # > one 2048-wide block per row
     for k in (1, 64, 300):
-        lp, tok = topk_logprobs(logits.to(kernel_device), k, backend="triton")
         want_lp, want_tok = topk_logprobs(logits, k, backend="reference")
-        assert torch.equal(tok.cpu(), want_tok), f"{kind} {dtype} k={k}"
-        torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=4e-6)
+        runs = [topk_logprobs(logits.to(kernel_device), k, backend="triton")]
+        runs.append(topk_logprobs_triton(logits.to(kernel_device), k, chunk=256))  # 12 chunks a row
+        for lp, tok in runs:
+            assert torch.equal(tok.cpu(), want_tok), f"{kind} {dtype} k={k}"
+            torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=4e-6)
 
 
 def test_negative_zero_ties_with_zero():
@@ -87,8 +90,11 @@ def test_minus_inf_logits_tie_in_token_order(kernel_device):
     logits = torch.full((1, 2, 3000), float("-inf"))
     logits[0, 0, 5] = 1.0
     logits[0, 1, :3] = 0.0
-    want = [[[5, 0, 1, 2, 3, 4, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]]]
-    for backend, device in (("reference", "cpu"), ("triton", kernel_device)):
-        lp, tok = topk_logprobs(logits.to(device), 10, backend=backend)
+    logits[0, 1, 2900] = 0.0  # in the last of several chunks below
+    want = [[[5, 0, 1, 2, 3, 4, 6, 7, 8, 9], [0, 1, 2, 2900, 3, 4, 5, 6, 7, 8]]]
+    runs = [topk_logprobs(logits, 10, backend="reference"),
+            topk_logprobs(logits.to(kernel_device), 10, backend="triton"),
+            topk_logprobs_triton(logits.to(kernel_device), 10, chunk=512)]
+    for lp, tok in runs:
         assert tok.tolist() == want
-        assert lp[0, 0, 0].item() == 0.0 and lp[0, 1, 0].item() == pytest.approx(-1.0986123, abs=1e-6)
+        assert lp[0, 0, 0].item() == 0.0 and lp[0, 1, 0].item() == pytest.approx(-1.3862944, abs=1e-6)

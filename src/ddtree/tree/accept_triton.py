@@ -22,7 +22,7 @@ def _accept_kernel(
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CAP)
     n = tl.load(num_nodes_ptr + b)
-    valid = offs < n
+    valid = (offs < n) & (offs < budget)  # a corrupt num_nodes > budget must not read past the row
     tok = tl.load(tokens_ptr + b * stride_tb + offs * stride_tn, mask=valid, other=_PAD)
     par = tl.load(parents_ptr + b * stride_pb + offs * stride_pn, mask=valid, other=_PAD)
     node_ids = (offs + 1).to(tl.int64)

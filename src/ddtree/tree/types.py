@@ -10,7 +10,7 @@ import torch
 # accept-path slots.
 PAD = -1
 
-# The Triton builder packs rank, parent, slot and heap order into 10-bit fields, and depth
+# The Triton builder packs rank into 10 bits, parent, slot and heap order into 11 bits and depth
 # into 6 bits (see build_triton.py); the reference has no such limit.
 MAX_TRITON_BUDGET = 1024
 MAX_TRITON_DEPTH = 63

@@ -1,0 +1,58 @@
+"""tree_verify_mla refuses bad input with an error that names what was wrong."""
+
+import pytest
+import torch
+
+from ddtree.attention import choose_num_splits, tree_verify_mla
+
+from .cases import Case, make_inputs
+
+
+def _inputs():
+    return list(make_inputs(Case(heads=16, prefixes=[20, 5], tree_rows=[4, 3], rows=4), "cpu"))
+
+
+@pytest.mark.parametrize(
+    "index,bad,error,match",
+    [
+        (0, lambda q: q[0], ValueError, r"q must be \[B, N, H, D\]"),
+        (0, lambda q: q.float(), TypeError, "bf16 or fp16"),
+        (1, lambda kv: kv.half(), TypeError, "kv_cache dtype"),
+        (1, lambda kv: kv[..., :512], ValueError, "kv_cache must be"),
+        (2, lambda bt: bt.long(), TypeError, "block_table must be torch.int32"),
+        (3, lambda pl: pl[:1], ValueError, "prefix_lens must have shape"),
+        (4, lambda nn: nn.float(), TypeError, "num_nodes must be"),
+        (5, lambda vis: vis[:, :3], ValueError, "visibility must have shape"),
+    ],
+)
+def test_shape_and_dtype_errors(index, bad, error, match):
+    args = _inputs()
+    args[index] = bad(args[index])
+    with pytest.raises(error, match=match):
+        tree_verify_mla(*args, 0.1)
+
+
+def test_value_errors():
+    args = _inputs()
+    args[4] = torch.tensor([5, 3], dtype=torch.int32)  # more rows than N = 4
+    with pytest.raises(ValueError, match=r"num_nodes must be in \[0, N=4\]"):
+        tree_verify_mla(*args, 0.1)
+    args = _inputs()
+    args[2] = args[2][:, :1]  # request 0 needs 2 pages of 16 for 20 + 4 tokens
+    with pytest.raises(ValueError, match="block_table has 1 pages per request but request 0 needs 2"):
+        tree_verify_mla(*args, 0.1)
+    args = _inputs()
+    args[2] = args[2].clone()
+    args[2][1, 0] = 10_000
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 10000 is not a page"):
+        tree_verify_mla(*args, 0.1)
+    with pytest.raises(ValueError, match="num_splits"):
+        tree_verify_mla(*_inputs(), 0.1, num_splits=0)
+
+
+def test_split_choice_depends_on_shapes_only():
+    cpu = torch.device("cpu")  # the interpreter stands in with 8 multiprocessors
+    assert choose_num_splits(64, 65 * 64, 4096, cpu) == 1  # plenty of row tiles
+    assert choose_num_splits(1, 16 * 64, 32768, cpu) == 1  # 16 tiles already fill 2 x 8
+    assert choose_num_splits(1, 64, 32768, cpu) == 16  # one tile: split to fill
+    assert choose_num_splits(1, 64, 300, cpu) == 1  # too few keys to split

@@ -1,0 +1,109 @@
+"""Load a target from a Hugging Face model directory, streaming tensors shard by shard."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import TargetConfig
+from .rope import inv_freq_and_factor
+from .target import Target
+
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_LOADABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when sharded."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"checkpoint {path} is missing shard(s) {missing} listed in its index")
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def _place(model: Target, cfg: TargetConfig, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+    """Copy one checkpoint tensor into the model, checking its shape; raises naming the tensor."""
+    key = name.removeprefix("model.")
+    expert = _EXPERT.fullmatch(key)
+    if expert:
+        layer, e, proj = int(expert[1]), int(expert[2]), expert[3]
+        moe = model.layers[layer].mlp
+        inter = cfg.moe_intermediate_size
+        target, rows = {
+            "gate_proj": (moe.w_gate_up.data[e, :, :inter], (inter, cfg.hidden_size)),
+            "up_proj": (moe.w_gate_up.data[e, :, inter:], (inter, cfg.hidden_size)),
+            "down_proj": (moe.w_down.data[e], (cfg.hidden_size, inter)),
+        }[proj]
+        if tuple(tensor.shape) != rows:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {rows}")
+        target.copy_(tensor.T)
+        loaded.add(name)
+        return
+    params = dict(model.named_parameters())
+    if key not in params:
+        raise ValueError(f"unexpected checkpoint tensor {name} (no such parameter in the target)")
+    param = params[key]
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+    loaded.add(key)
+
+
+def _skipped(name: str, cfg: TargetConfig) -> bool:
+    """Tensors the target does not use: multi-token-prediction layers past num_hidden_layers and
+    cached rotary tables."""
+    layer = _LAYER.search(name)
+    return (layer is not None and int(layer[1]) >= cfg.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> Target:
+    """Build the target from config.json and fill it from the checkpoint's safetensors shards.
+
+    Tensors are read one at a time (no full copy of the model in host memory), checked against the
+    expected shape and copied into place; anything missing or unexpected is an error naming it.
+    """
+    path = Path(path)
+    cfg = TargetConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = Target(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)  # stays float32, unlike the weights
+    expected = {n for n, _ in model.named_parameters() if not n.endswith((".w_gate_up", ".w_down"))}
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    expert_tensors = {
+        f"model.layers.{i}.mlp.experts.{e}.{p}.weight"
+        for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
+        for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    loaded: set[str] = set()
+    for shard in shard_files(path):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if _skipped(name, cfg):
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.dtype not in _LOADABLE_DTYPES:
+                    raise NotImplementedError(
+                        f"checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported yet"
+                    )
+                _place(model, cfg, name, tensor.to(dtype), loaded)
+    missing = sorted((expected | expert_tensors) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+

@@ -1,0 +1,83 @@
+"""Dense SwiGLU MLP and the routed + shared expert MoE (noaux_tc / greedy routers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TargetConfig
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert choice per token: sigmoid scores with a correction bias and group limits
+    (noaux_tc: DeepSeek-V3, Kimi K2, Moonlight) or softmax scores (greedy: DeepSeek-V2)."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        bias = cfg.topk_method == "noaux_tc"
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if cfg.n_group > 1 and cfg.topk_method in ("noaux_tc", "group_limited_greedy"):
+            grouped = choice.view(x.shape[0], cfg.n_group, -1)
+            group_score = grouped.topk(2, -1).values.sum(-1) if cfg.topk_method == "noaux_tc" else grouped.max(-1).values
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(cfg.topk_group, -1).indices, 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(grouped.shape[-1], 1), float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, -1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts, grouped by expert for two grouped GEMMs (no per-token or per-expert Python
+    loop, no host sync: expert offsets stay on the device), plus the shared experts."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Router(cfg)
+        self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert [gate | up], transposed
+        self.w_down = nn.Parameter(torch.empty(e, i, h))
+        self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        token = order // k
+        counts = torch.zeros(self.w_down.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(x[token], self.w_gate_up, offs=offsets).chunk(2, dim=-1)
+        routed = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offsets)
+        routed = routed * weights.flatten()[order, None].to(routed.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)

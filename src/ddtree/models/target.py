@@ -1,0 +1,129 @@
+"""The MLA + MoE target (DeepSeek-V3 / Kimi K2 family) in PyTorch: causal prefill.
+
+Prefill runs MLA in the plain form: the latent is expanded into per-head keys and values by
+kv_b_proj. Absorbed verify / decode on the paged latent cache builds on the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TargetConfig
+from .moe import MLP, MoE
+from .rope import apply_rotary, inv_freq_and_factor, softmax_scale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention. Per token the cache keeps the normalized latent
+    [kv_lora_rank] and the rotated shared key [qk_rope_head_dim]."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
+        self.scale = softmax_scale(cfg)
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (rotated)."""
+        cfg = self.cfg
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return q_nope, apply_rotary(q_rope, positions, *rope, cfg.rope_interleave)
+
+    def latents(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """x [B, T, hidden] -> cache entries [B, T, kv_lora_rank + rope]: normalized latent, rotated key."""
+        cfg = self.cfg
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_rope = apply_rotary(k_rope[:, :, None], positions, *rope, cfg.rope_interleave)[:, :, 0]
+        return torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
+
+    def forward_prefill(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """Causal attention over the sequence itself, plain (non-absorbed) form."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q_nope, q_rope = self.queries(x, positions, rope)
+        entries = self.latents(x, positions, rope)
+        latent, k_rope = entries.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(b, t, cfg.num_attention_heads, -1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)  # [B, H, T, qk]
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)], -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+        x = x + self.self_attn.forward_prefill(self.input_layernorm(x), positions, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Target(nn.Module):
+    """Embedding, decoder layers, final norm, lm_head."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq, factor = inv_freq_and_factor(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_factor = factor
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Causal prefill. input_ids int64 [B, T]; positions int64 [B, T] (default 0..T-1).
+
+        Returns logits float32 [B, T, vocab] and the outputs of the decoder layers named in
+        hidden_layers ([B, T, hidden] each; layer i's output is transformers' hidden_states[i + 1]).
+        """
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        rope = (self.inv_freq, self.rope_factor)
+        x = self.embed_tokens(input_ids)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, rope)
+            if i in hidden_layers:
+                captured.append(x)
+        return self.lm_head(self.norm(x)).float(), captured
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Causal full-sequence logits float32 [B, T, vocab] for equal-length ids [B, T]."""
+        return self(input_ids)[0]

@@ -9,39 +9,12 @@ transformers = pytest.importorskip("transformers")
 
 from ddtree.models import TargetConfig, load_target  # noqa: E402
 
-
-def _tiny_config(**overrides):
-    base = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24,
-        qk_nope_head_dim=24, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
-        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
-        rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    )
-    base.update(overrides)
-    return transformers.DeepseekV3Config(**base)
-
-
-def _save(tmp_path, config, seed=0):
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(config).float().eval()
-    with torch.no_grad():  # random router bias and norms, so routing and scales are exercised
-        for name, p in model.named_parameters():
-            if "e_score_correction_bias" in name or "layernorm" in name or name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    for layer in model.model.layers:  # the bias is a buffer in transformers
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None:
-            gate.e_score_correction_bias.copy_(0.1 * torch.randn_like(gate.e_score_correction_bias))
-    model.save_pretrained(tmp_path)
-    return model
+from .checkpoints import save_tiny, tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}, {"rope_scaling": None, "rope_interleave": False}])
 def test_prefill_logits_and_hidden_states_match(tmp_path, overrides):
-    ref = _save(tmp_path, _tiny_config(**overrides))
+    ref = save_tiny(tmp_path, tiny_config(**overrides))
     ours = load_target(tmp_path, dtype=torch.float32)
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -53,7 +26,7 @@ def test_prefill_logits_and_hidden_states_match(tmp_path, overrides):
 
 
 def test_config_reads_both_rope_formats():
-    raw = json.loads(_tiny_config().to_json_string())
+    raw = json.loads(tiny_config().to_json_string())
     cfg = TargetConfig.from_dict(raw)
     assert cfg.rope_scaling["type"] == "yarn" and cfg.rope_scaling["factor"] == 8.0
     old = dict(raw, rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}, rope_theta=5e4)
@@ -63,7 +36,7 @@ def test_config_reads_both_rope_formats():
 
 
 def test_bad_checkpoints(tmp_path):
-    _save(tmp_path, _tiny_config())
+    save_tiny(tmp_path, tiny_config())
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(raw, quantization_config={"quant_method": "fp8", "fmt": "e4m3"})))
     with pytest.raises(NotImplementedError, match="quant_method='fp8'"):

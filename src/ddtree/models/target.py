@@ -1,7 +1,8 @@
-"""The MLA + MoE target (DeepSeek-V3 / Kimi K2 family) in PyTorch: causal prefill.
+"""The MLA + MoE target (DeepSeek-V3 / Kimi K2 family) in PyTorch.
 
-Prefill runs MLA in the plain form: the latent is expanded into per-head keys and values by
-kv_b_proj. Absorbed verify / decode on the paged latent cache builds on the same weights.
+`forward` is a plain causal prefill: MLA expands the latent into per-head keys and values with
+kv_b_proj. `forward_paged` is the verify / decode form: kv_b_proj is absorbed into the query and
+the output, and attention runs over the paged latent cache (models/paged.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 
 from .config import TargetConfig
 from .moe import MLP, MoE
+from .paged import ForwardMeta, attend, write_entries
 from .rope import apply_rotary, inv_freq_and_factor, softmax_scale
 
 
@@ -76,6 +78,18 @@ class MLA(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
+    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """Absorbed form over the paged cache: writes the new entries, then attends (verify / decode)."""
+        cfg = self.cfg
+        b, n, _ = x.shape
+        q_nope, q_rope = self.queries(x, meta.positions, rope)
+        write_entries(cache, self.latents(x, meta.positions, rope), meta)
+        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        q_latent = torch.einsum("bnhk,hkc->bnhc", q_nope, w[:, : cfg.qk_nope_head_dim])  # W_UK absorbed
+        out_latent = attend(torch.cat([q_latent, q_rope], -1), cache, meta, self.scale, cfg.kv_lora_rank)
+        out = torch.einsum("bnhc,hvc->bnhv", out_latent.to(x.dtype), w[:, cfg.qk_nope_head_dim :])  # W_UV
+        return self.o_proj(out.reshape(b, n, -1))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer: int):
@@ -87,6 +101,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
         x = x + self.self_attn.forward_prefill(self.input_layernorm(x), positions, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+        x = x + self.self_attn.forward_paged(self.input_layernorm(x), meta, cache, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -119,6 +137,30 @@ class Target(nn.Module):
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, rope)
+            if i in hidden_layers:
+                captured.append(x)
+        return self.lm_head(self.norm(x)).float(), captured
+
+    def new_cache(self, num_pages: int, page_size: int = 64, device=None, dtype=None) -> list[torch.Tensor]:
+        """One paged latent cache per layer: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]."""
+        dtype = dtype or self.embed_tokens.weight.dtype
+        device = device or self.embed_tokens.weight.device
+        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+        return [torch.zeros(num_pages, page_size, width, dtype=dtype, device=device) for _ in self.layers]
+
+    def forward_paged(
+        self, input_ids: torch.Tensor, meta: ForwardMeta, caches: list[torch.Tensor], hidden_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Prefill chunk, decode step or tree verify over the paged cache.
+
+        input_ids int64 [B, N]: the new rows (for a tree: the root, then nodes in DraftTrees order).
+        Returns logits float32 [B, N, vocab] and the chosen layers' outputs [B, N, hidden].
+        """
+        rope = (self.inv_freq, self.rope_factor)
+        x = self.embed_tokens(input_ids)
+        captured = []
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x = layer.forward_paged(x, meta, cache, rope)
             if i in hidden_layers:
                 captured.append(x)
         return self.lm_head(self.norm(x)).float(), captured

@@ -1,0 +1,33 @@
+"""Small random DeepseekV3 checkpoints written by transformers' own implementation."""
+
+import torch
+import transformers
+
+
+def tiny_config(**overrides):
+    base = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, v_head_dim=24,
+        qk_nope_head_dim=24, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
+        norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_scaling={"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+    base.update(overrides)
+    return transformers.DeepseekV3Config(**base)
+
+
+def save_tiny(tmp_path, config, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # random router bias and norms, so routing and scales are exercised
+        for name, p in model.named_parameters():
+            if "e_score_correction_bias" in name or "layernorm" in name or name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    for layer in model.model.layers:  # the bias is a buffer in transformers
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.e_score_correction_bias.copy_(0.1 * torch.randn_like(gate.e_score_correction_bias))
+    model.save_pretrained(tmp_path)
+    return model

@@ -1,7 +1,12 @@
-"""Target (DeepSeek-V3 / Kimi K2 family) model in PyTorch, loaded from Hugging Face checkpoints."""
+"""Target (DeepSeek-V3 / Kimi K2 family) and DFlash drafter in PyTorch, from Hugging Face checkpoints."""
 
 from .config import TargetConfig
-from .loader import load_target
+from .drafter import Drafter, DrafterCache, DrafterConfig, check_pair
+from .loader import load_drafter, load_target
+from .paged import ForwardMeta
 from .target import Target
 
-__all__ = ["Target", "TargetConfig", "load_target"]
+__all__ = [
+    "Drafter", "DrafterCache", "DrafterConfig", "ForwardMeta", "Target", "TargetConfig",
+    "check_pair", "load_drafter", "load_target",
+]

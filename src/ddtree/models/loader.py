@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from .config import TargetConfig
+from .drafter import Drafter, DrafterConfig, check_pair
 from .rope import inv_freq_and_factor
 from .target import Target
 
@@ -51,14 +52,52 @@ def _place(model: Target, cfg: TargetConfig, name: str, tensor: torch.Tensor, lo
         target.copy_(tensor.T)
         loaded.add(name)
         return
-    params = dict(model.named_parameters())
+    assign(dict(model.named_parameters()), key, name, tensor)
+    loaded.add(key)
+
+
+def assign(params: dict[str, torch.nn.Parameter], key: str, name: str, tensor: torch.Tensor) -> None:
+    """Copy checkpoint tensor `name` into params[key], checking that it exists and its shape."""
     if key not in params:
-        raise ValueError(f"unexpected checkpoint tensor {name} (no such parameter in the target)")
+        raise ValueError(f"unexpected checkpoint tensor {name} (no such parameter in the model)")
     param = params[key]
     if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(tensor)
-    loaded.add(key)
+
+
+def read_tensor(f, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor from an open safetensors file, in `dtype`; quantized storage is refused."""
+    tensor = f.get_tensor(name)
+    if tensor.dtype not in _LOADABLE_DTYPES:
+        raise NotImplementedError(f"checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported yet")
+    return tensor.to(dtype)
+
+
+def load_drafter(
+    path: str | Path, target: Target, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> Drafter:
+    """A DFlash drafter for `target` (pair checked first), streamed like load_target."""
+    path = Path(path)
+    cfg = DrafterConfig.from_pretrained(path)
+    check_pair(target.cfg, cfg)
+    with torch.device("meta"):
+        model = Drafter(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for shard in shard_files(path):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                key = name.removeprefix("model.")
+                if key in ("embed_tokens.weight", "lm_head.weight"):
+                    continue  # the drafter uses the target's
+                assign(params, key, name, read_tensor(f, name, dtype))
+                loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"drafter checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
+    return model.eval()
 
 
 def _skipped(name: str, cfg: TargetConfig) -> bool:
@@ -94,12 +133,7 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device
             for name in f.keys():
                 if _skipped(name, cfg):
                     continue
-                tensor = f.get_tensor(name)
-                if tensor.dtype not in _LOADABLE_DTYPES:
-                    raise NotImplementedError(
-                        f"checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported yet"
-                    )
-                _place(model, cfg, name, tensor.to(dtype), loaded)
+                _place(model, cfg, name, read_tensor(f, name, dtype), loaded)
     missing = sorted((expected | expert_tensors) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")

@@ -1,0 +1,195 @@
+"""DFlash block-diffusion drafter (the DFlash checkpoint format: a Qwen3-style stack).
+
+One non-causal pass over the block [bonus, mask x (block_size - 1)]: the block's queries attend to
+keys/values of the target's features of every committed token (projected by fc + hidden_norm,
+then by each layer's own k/v projections) and of the block itself. The context keys/values
+depend only on the features, so each request keeps them in its own cache and a round only
+projects the newly committed tokens. Embedding and lm_head are the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .moe import MLP
+from .target import RMSNorm
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    attention_bias: bool
+    # dflash_config
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DrafterConfig":
+        dflash = raw.get("dflash_config") or {}
+        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        if layer_ids is None:
+            raise ValueError("drafter config.json lacks dflash_config.target_layer_ids")
+        mask = dflash.get("mask_token_id", raw.get("mask_token_id"))
+        if mask is None:
+            raise ValueError("drafter config.json lacks dflash_config.mask_token_id")
+        if (raw.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
+            raise NotImplementedError(f"drafter rope_scaling {raw['rope_scaling']} is not supported yet")
+        unsupported = {k: raw.get(k, dflash.get(k)) for k in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")}
+        unsupported = {k: v for k, v in unsupported.items() if v not in (None, 1, 1.0, 0, 0.0)}
+        causal = raw.get("is_causal") or any(t != "full_attention" for t in raw.get("layer_types") or [])
+        if unsupported or causal:
+            raise NotImplementedError(
+                f"drafter variant not supported yet: {unsupported or 'causal / sliding-window layers'}"
+            )
+        heads = raw["num_attention_heads"]
+        return cls(
+            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=raw.get("rope_theta", 1e6),
+            vocab_size=raw["vocab_size"], attention_bias=raw.get("attention_bias", False),
+            target_layer_ids=tuple(layer_ids), block_size=int(dflash.get("block_size", raw.get("block_size", 16))),
+            mask_token_id=int(mask),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "DrafterConfig":
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+
+def rotate_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Qwen3's default rope on x [B, T, heads, dim] at positions [B, T]."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)
+    angles = positions[..., None].float() * inv_freq
+    cos, sin = angles.cos().to(x.dtype)[..., None, :], angles.sin().to(x.dtype)[..., None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@dataclass
+class DrafterCache:
+    """Per layer, the context keys and values [B, capacity, kv_heads, head_dim]; lengths int64 [B]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> rotated keys and values [B, T, kv_heads, head_dim]."""
+        shape = (*x.shape[:2], self.cfg.num_key_value_heads, self.cfg.head_dim)
+        k = rotate_half(self.k_norm(self.k_proj(x).view(shape)), positions, self.cfg.rope_theta)
+        return k, self.v_proj(x).view(shape)
+
+    def forward(self, x, positions, ctx_k, ctx_v, ctx_len) -> torch.Tensor:
+        """Block x [B, S, hidden] attends (non-causally) to ctx_k/ctx_v [B, C, kv, d] (first
+        ctx_len [B] valid) and to itself."""
+        cfg = self.cfg
+        b, s, _ = x.shape
+        q = rotate_half(self.q_norm(self.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim)), positions, cfg.rope_theta)
+        k_blk, v_blk = self.project_kv(x, positions)
+        k = torch.cat([ctx_k, k_blk], 1).transpose(1, 2)
+        v = torch.cat([ctx_v, v_blk], 1).transpose(1, 2)
+        key_ids = torch.arange(ctx_k.shape[1] + s, device=x.device)[None, :]
+        seen = (key_ids < ctx_len[:, None]) | (key_ids >= ctx_k.shape[1])  # valid context, whole block
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=seen[:, None, None, :], scale=cfg.head_dim**-0.5,
+            enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def new_cache(self, batch: int, capacity: int, device=None, dtype=None) -> DrafterCache:
+        w = self.fc.weight
+        shape = (batch, capacity, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        make = lambda: [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in self.layers]  # noqa: E731
+        return DrafterCache(make(), make(), torch.zeros(batch, dtype=torch.long, device=device or w.device))
+
+    def append_context(self, cache: DrafterCache, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Project newly committed tokens' target features [B, C, len(target_layer_ids) * hidden]
+        (the first counts[b] valid) at positions lengths .. lengths + C - 1 into every layer's cache."""
+        b, c, _ = features.shape
+        ctx = self.hidden_norm(self.fc(features))
+        positions = cache.lengths[:, None] + torch.arange(c, device=features.device)
+        keep = torch.arange(c, device=features.device)[None, :] < counts[:, None]
+        rows = torch.arange(b, device=features.device)[:, None].expand(b, c)[keep]
+        cols = positions[keep]
+        if cols.numel() and int(cols.max()) >= cache.keys[0].shape[1]:  # a host sync; see note in docs
+            raise ValueError(f"drafter cache capacity {cache.keys[0].shape[1]} exceeded")
+        for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
+            k, v = layer.self_attn.project_kv(ctx, positions)
+            k_cache[rows, cols] = k[keep].to(k_cache.dtype)
+            v_cache[rows, cols] = v[keep].to(v_cache.dtype)
+        cache.lengths += counts.long()
+
+    def forward(self, block_embeds: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+        """block_embeds [B, block_size, hidden]: the target's embeddings of [bonus, mask, ...];
+        the block sits at positions lengths .. lengths + block_size - 1. Returns the normed hidden
+        states of the block [B, block_size, hidden]; slots 1.. predict the next block_size - 1 tokens."""
+        positions = cache.lengths[:, None] + torch.arange(block_embeds.shape[1], device=block_embeds.device)
+        x = block_embeds
+        for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
+            x = x + layer.self_attn(layer.input_layernorm(x), positions, k_cache, v_cache, cache.lengths)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+def check_pair(target_cfg, drafter_cfg: DrafterConfig) -> None:
+    """A drafter shares the target's embedding and lm_head and reads its layers' outputs: refuse a
+    mismatched pair before any compute."""
+    if drafter_cfg.hidden_size != target_cfg.hidden_size:
+        raise ValueError(f"drafter hidden_size {drafter_cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
+    if drafter_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"drafter vocab_size {drafter_cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    bad = [i for i in drafter_cfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"drafter target_layer_ids {bad} out of range for a {target_cfg.num_hidden_layers}-layer target")
+    if not 0 <= drafter_cfg.mask_token_id < target_cfg.vocab_size:
+        raise ValueError(f"drafter mask_token_id {drafter_cfg.mask_token_id} is not in the vocabulary")

@@ -1,0 +1,111 @@
+"""The DFlash drafter: cached, batched forward against a plain re-statement of the DFlash
+forward; checkpoint loading and mismatched-pair errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+pytest.importorskip("transformers")
+
+from ddtree.models import Drafter, DrafterConfig, load_drafter, load_target  # noqa: E402
+
+from .checkpoints import save_tiny, tiny_config  # noqa: E402
+
+RAW = dict(
+    architectures=["DFlashDraftModel"], hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+    vocab_size=96, dflash_config={"target_layer_ids": [0, 2], "block_size": 4, "mask_token_id": 95},
+)
+
+
+def _random_drafter(seed=0) -> Drafter:
+    torch.manual_seed(seed)
+    model = Drafter(DrafterConfig.from_dict(RAW))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model.float().eval()
+
+
+def _rope(x, positions, theta):  # x [T, heads, d], positions [T]
+    d = x.shape[-1]
+    freqs = positions[:, None].double() / theta ** (torch.arange(0, d, 2).double() / d)
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
+
+
+def _norm(x, w, eps=1e-6):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def dflash_reference(m: Drafter, features: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """One request, float64, no cache: features [C, F] of all committed tokens (positions 0..C-1),
+    block embeddings [S, hidden] at positions C..C+S-1; non-causal attention over context + block."""
+    cfg, dd = m.cfg, torch.float64
+    w = {k: v.to(dd) for k, v in m.state_dict().items()}
+    ctx = _norm(features.to(dd) @ w["fc.weight"].T, w["hidden_norm.weight"])
+    c, s = ctx.shape[0], block.shape[0]
+    pos = torch.arange(c + s)
+    x = block.to(dd)
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        h = _norm(x, w[p + "input_layernorm.weight"])
+        both = torch.cat([ctx, h])
+        q = _rope(_norm((h @ w[p + "self_attn.q_proj.weight"].T).view(s, -1, cfg.head_dim), w[p + "self_attn.q_norm.weight"]), pos[c:], cfg.rope_theta)
+        k = _rope(_norm((both @ w[p + "self_attn.k_proj.weight"].T).view(c + s, -1, cfg.head_dim), w[p + "self_attn.k_norm.weight"]), pos, cfg.rope_theta)
+        v = (both @ w[p + "self_attn.v_proj.weight"].T).view(c + s, -1, cfg.head_dim)
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        att = torch.softmax(torch.einsum("shd,thd->hst", q, k) / cfg.head_dim**0.5, -1)
+        x = x + torch.einsum("hst,thd->shd", att, v).reshape(s, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = _norm(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return _norm(x, w["norm.weight"])
+
+
+@torch.no_grad()
+def test_cached_batched_forward_matches_restatement():
+    m = _random_drafter()
+    gen = torch.Generator().manual_seed(1)
+    feats = [torch.randn(8, 128, generator=gen), torch.randn(6, 128, generator=gen)]
+    cache = m.new_cache(2, 16)
+    # Round 1: 5 and 6 committed tokens; round 2: 3 more for request 0, none for request 1.
+    first = torch.zeros(2, 6, 128)
+    first[0, :5], first[1] = feats[0][:5], feats[1]
+    m.append_context(cache, first, torch.tensor([5, 6]))
+    second = torch.zeros(2, 3, 128)
+    second[0] = feats[0][5:]
+    m.append_context(cache, second, torch.tensor([3, 0]))
+    assert cache.lengths.tolist() == [8, 6]
+    block = torch.randn(2, 4, 64, generator=gen)  # embeddings of [bonus, mask, mask, mask]
+    got = m(block, cache)
+    for r in range(2):
+        want = dflash_reference(m, feats[r], block[r])
+        torch.testing.assert_close(got[r].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_load_and_pair_checks(tmp_path):
+    target_dir, drafter_dir = tmp_path / "target", tmp_path / "drafter"
+    save_tiny(target_dir, tiny_config())
+    target = load_target(target_dir, dtype=torch.float32)
+    drafter_dir.mkdir()
+    m = _random_drafter(seed=2)
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, drafter_dir / "model.safetensors")
+    (drafter_dir / "config.json").write_text(json.dumps(RAW))
+    loaded = load_drafter(drafter_dir, target, dtype=torch.float32)
+    for k, v in m.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    for change, match in [
+        ({"hidden_size": 48}, "hidden_size 48 != target hidden_size 64"),
+        ({"vocab_size": 100}, "vocab_size 100 != target vocab_size 96"),
+        ({"dflash_config": {"target_layer_ids": [0, 3], "block_size": 4, "mask_token_id": 95}}, r"target_layer_ids \[3\] out of range"),
+    ]:
+        (drafter_dir / "config.json").write_text(json.dumps({**RAW, **change}))
+        with pytest.raises(ValueError, match=match):
+            load_drafter(drafter_dir, target, dtype=torch.float32)
+    (drafter_dir / "config.json").write_text(json.dumps({k: v for k, v in RAW.items() if k != "dflash_config"}))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        load_drafter(drafter_dir, target)

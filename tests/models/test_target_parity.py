@@ -9,10 +9,14 @@ transformers = pytest.importorskip("transformers")
 
 from ddtree.models import TargetConfig, load_target  # noqa: E402
 
-from .checkpoints import save_tiny, tiny_config  # noqa: E402
+from .checkpoints import save_tiny, save_tiny_v2, tiny_config  # noqa: E402
 
 
-@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}, {"rope_scaling": None, "rope_interleave": False}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"q_lora_rank": None}, {"rope_scaling": None, "rope_interleave": False}, {"n_group": 1, "topk_group": 1}],
+    ids=["v3", "no-q-lora", "plain-rope", "moonlight-groups"],
+)
 def test_prefill_logits_and_hidden_states_match(tmp_path, overrides):
     ref = save_tiny(tmp_path, tiny_config(**overrides))
     ours = load_target(tmp_path, dtype=torch.float32)
@@ -23,6 +27,15 @@ def test_prefill_logits_and_hidden_states_match(tmp_path, overrides):
     torch.testing.assert_close(logits, want.logits.float(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hidden[0], want.hidden_states[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(ours.logits(ids), logits)
+
+
+def test_deepseek_v2_lite_style_matches(tmp_path):
+    ref = save_tiny_v2(tmp_path)
+    ours = load_target(tmp_path, dtype=torch.float32)
+    assert ours.cfg.scoring_func == "softmax" and ours.cfg.topk_method == "greedy"
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.logits(ids), ref(ids).logits.float(), rtol=1e-4, atol=1e-4)
 
 
 def test_config_reads_both_rope_formats():
@@ -50,3 +63,16 @@ def test_bad_checkpoints(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_target(tmp_path)
+
+
+def test_random_target_from_config_alone():
+    from ddtree.models import random_target
+
+    cfg = TargetConfig.from_dict(json.loads(tiny_config().to_json_string()))
+    a = random_target(cfg, dtype=torch.float32, seed=5)
+    b = random_target(cfg, dtype=torch.float32, seed=5)
+    ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    logits = a.logits(ids)
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    assert torch.equal(logits, b.logits(ids))  # same seed, same weights
+    assert a.layers[1].mlp.w_gate_up.std().item() == pytest.approx(0.02, rel=0.1)

@@ -74,6 +74,27 @@ def read_tensor(f, name: str, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+def random_target(
+    cfg: TargetConfig, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0, std: float = 0.02
+) -> Target:
+    """A target with random weights made directly on `device` (no host copy, no checkpoint), for
+    benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2)."""
+    with torch.device("meta"):
+        model = Target(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model.eval()
+
+
 def load_drafter(
     path: str | Path, target: Target, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> Drafter:

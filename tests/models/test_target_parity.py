@@ -76,3 +76,17 @@ def test_random_target_from_config_alone():
     assert torch.isfinite(logits).all() and logits.std() > 0
     assert torch.equal(logits, b.logits(ids))  # same seed, same weights
     assert a.layers[1].mlp.w_gate_up.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_sharded_checkpoint_streams_and_missing_shard_is_named(tmp_path):
+    ref = save_tiny(tmp_path / "full", tiny_config())
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    a = load_target(tmp_path / "full", dtype=torch.float32).logits(ids)
+    b = load_target(tmp_path / "sharded", dtype=torch.float32).logits(ids)
+    assert torch.equal(a, b)
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=shards[1].name):
+        load_target(tmp_path / "sharded")

@@ -109,3 +109,11 @@ def test_load_and_pair_checks(tmp_path):
     (drafter_dir / "config.json").write_text(json.dumps({k: v for k, v in RAW.items() if k != "dflash_config"}))
     with pytest.raises(ValueError, match="target_layer_ids"):
         load_drafter(drafter_dir, target)
+
+
+def test_context_capacity_is_checked():
+    m = _random_drafter()
+    cache = m.new_cache(1, 4)
+    m.append_context(cache, torch.zeros(1, 3, 128), torch.tensor([3]))
+    with pytest.raises(ValueError, match="capacity 4 exceeded"):
+        m.append_context(cache, torch.zeros(1, 2, 128), torch.tensor([1]))

@@ -152,21 +152,24 @@ class Drafter(nn.Module):
         make = lambda: [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in self.layers]  # noqa: E731
         return DrafterCache(make(), make(), torch.zeros(batch, dtype=torch.long, device=device or w.device))
 
-    def append_context(self, cache: DrafterCache, features: torch.Tensor, counts: torch.Tensor) -> None:
+    def append_context(self, cache: DrafterCache, features: torch.Tensor, counts: torch.Tensor, *, check: bool = True) -> None:
         """Project newly committed tokens' target features [B, C, len(target_layer_ids) * hidden]
-        (the first counts[b] valid) at positions lengths .. lengths + C - 1 into every layer's cache."""
+        (the first counts[b] valid) into every layer's cache at positions lengths .. lengths + C - 1.
+
+        All C slots are written (static shapes, no data-dependent indexing): slots past
+        lengths + counts hold garbage that attention never reads and the next append overwrites.
+        check: verify lengths + C fits the cache capacity (a host sync; off inside CUDA graphs).
+        """
         b, c, _ = features.shape
+        if check and int(cache.lengths.max()) + c > cache.keys[0].shape[1]:
+            raise ValueError(f"drafter cache capacity {cache.keys[0].shape[1]} exceeded")
         ctx = self.hidden_norm(self.fc(features))
         positions = cache.lengths[:, None] + torch.arange(c, device=features.device)
-        keep = torch.arange(c, device=features.device)[None, :] < counts[:, None]
-        rows = torch.arange(b, device=features.device)[:, None].expand(b, c)[keep]
-        cols = positions[keep]
-        if cols.numel() and int(cols.max()) >= cache.keys[0].shape[1]:  # a host sync; see note in docs
-            raise ValueError(f"drafter cache capacity {cache.keys[0].shape[1]} exceeded")
+        rows = torch.arange(b, device=features.device)[:, None].expand(b, c)
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
             k, v = layer.self_attn.project_kv(ctx, positions)
-            k_cache[rows, cols] = k[keep].to(k_cache.dtype)
-            v_cache[rows, cols] = v[keep].to(v_cache.dtype)
+            k_cache[rows, positions] = k.to(k_cache.dtype)
+            v_cache[rows, positions] = v.to(v_cache.dtype)
         cache.lengths += counts.long()
 
     def forward(self, block_embeds: torch.Tensor, cache: DrafterCache) -> torch.Tensor:

@@ -106,3 +106,29 @@ def test_verify_with_the_triton_kernel_matches_prefill_bf16():
     got, _ = model.forward_paged(ids, meta, caches)
     err = (got - want).norm() / want.norm()
     assert err < 2e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+def test_tree_verify_forward_captures_in_a_cuda_graph():
+    """The verify / decode forward (kernel attention, grouped-GEMM MoE) has no host sync and no
+    data-dependent allocation: it captures, and a replay on new ids equals an eager run."""
+    import json
+
+    from ddtree.models import TargetConfig, random_target
+
+    raw = json.loads(tiny_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64).to_json_string())
+    model = random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, device="cuda", std=0.05)
+    bt = _block_table(2, 8, seed=6).cuda()
+    caches = model.new_cache(bt.numel() + 3, PAGE)
+    meta = _chain_meta(bt.cpu(), [9, 13], 5)
+    meta = type(meta)(**{k: v.cuda() for k, v in vars(meta).items()})
+    ids = torch.zeros(2, 5, dtype=torch.long, device="cuda")
+    model.forward_paged(ids, meta, caches)  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = model.forward_paged(ids, meta, caches)
+    ids.copy_(torch.randint(0, 96, (2, 5), device="cuda"))
+    graph.replay()
+    eager, _ = model.forward_paged(ids, meta, caches)
+    torch.testing.assert_close(captured, eager, rtol=0, atol=0)

@@ -90,3 +90,14 @@ def test_sharded_checkpoint_streams_and_missing_shard_is_named(tmp_path):
     shards[1].unlink()
     with pytest.raises(FileNotFoundError, match=shards[1].name):
         load_target(tmp_path / "sharded")
+
+
+def test_unexpected_expert_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(tmp_path, tiny_config())
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)  # layer 0 is dense
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.0.mlp.experts.0.up_proj.weight"):
+        load_target(tmp_path, dtype=torch.float32)

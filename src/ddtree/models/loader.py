@@ -12,6 +12,7 @@ from safetensors import safe_open
 from .config import TargetConfig
 from .drafter import Drafter, DrafterConfig, check_pair
 from .rope import inv_freq_and_factor
+from .moe import MoE
 from .target import Target
 
 _EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -41,6 +42,8 @@ def _place(model: Target, cfg: TargetConfig, name: str, tensor: torch.Tensor, lo
     if expert:
         layer, e, proj = int(expert[1]), int(expert[2]), expert[3]
         moe = model.layers[layer].mlp
+        if not isinstance(moe, MoE) or e >= cfg.n_routed_experts:
+            raise ValueError(f"unexpected checkpoint tensor {name} (layer {layer} has no routed expert {e})")
         inter = cfg.moe_intermediate_size
         target, rows = {
             "gate_proj": (moe.w_gate_up.data[e, :, :inter], (inter, cfg.hidden_size)),

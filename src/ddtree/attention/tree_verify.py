@@ -10,7 +10,6 @@ programs (flash-decoding) and the partial results are merged by log-sum-exp.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -35,7 +35,39 @@ def shard_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def _place(model: Target, cfg: TargetConfig, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+def checkpoint_tensors(path: Path, dtype: torch.dtype, skip=lambda name: False):
+    """Yield (name, tensor in `dtype`) over every shard, one tensor at a time (no full copy of the
+    model in host memory); names for which `skip` is true are never read; quantized storage is
+    refused."""
+    for shard in shard_files(path):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if skip(name):
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.dtype not in _LOADABLE_DTYPES:
+                    raise NotImplementedError(
+                        f"checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported yet"
+                    )
+                yield name, tensor.to(dtype)
+
+
+def _materialize(module: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
+    """Uninitialized storage on `device` for a module built on the meta device."""
+    return module.to_empty(device=device).to(dtype)
+
+
+def _empty_target(cfg: TargetConfig, dtype: torch.dtype, device) -> Target:
+    with torch.device("meta"):
+        model = Target(cfg)
+    model = _materialize(model, dtype, device)
+    model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)  # stays float32, unlike the weights
+    return model
+
+
+def _place(
+    model: Target, params: dict[str, torch.nn.Parameter], cfg: TargetConfig, name: str, tensor: torch.Tensor, loaded: set[str]
+) -> None:
     """Copy one checkpoint tensor into the model, checking its shape; raises naming the tensor."""
     key = name.removeprefix("model.")
     expert = _EXPERT.fullmatch(key)
@@ -55,7 +87,7 @@ def _place(model: Target, cfg: TargetConfig, name: str, tensor: torch.Tensor, lo
         target.copy_(tensor.T)
         loaded.add(name)
         return
-    assign(dict(model.named_parameters()), key, name, tensor)
+    assign(params, key, name, tensor)
     loaded.add(key)
 
 
@@ -69,23 +101,12 @@ def assign(params: dict[str, torch.nn.Parameter], key: str, name: str, tensor: t
     param.data.copy_(tensor)
 
 
-def read_tensor(f, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """One tensor from an open safetensors file, in `dtype`; quantized storage is refused."""
-    tensor = f.get_tensor(name)
-    if tensor.dtype not in _LOADABLE_DTYPES:
-        raise NotImplementedError(f"checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported yet")
-    return tensor.to(dtype)
-
-
 def random_target(
     cfg: TargetConfig, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0, std: float = 0.02
 ) -> Target:
     """A target with random weights made directly on `device` (no host copy, no checkpoint), for
     benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2)."""
-    with torch.device("meta"):
-        model = Target(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)
+    model = _empty_target(cfg, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -107,17 +128,14 @@ def load_drafter(
     check_pair(target.cfg, cfg)
     with torch.device("meta"):
         model = Drafter(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = _materialize(model, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for shard in shard_files(path):
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                key = name.removeprefix("model.")
-                if key in ("embed_tokens.weight", "lm_head.weight"):
-                    continue  # the drafter uses the target's
-                assign(params, key, name, read_tensor(f, name, dtype))
-                loaded.add(key)
+    shared = ("embed_tokens.weight", "lm_head.weight")  # the drafter uses the target's
+    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: name.removeprefix("model.") in shared):
+        key = name.removeprefix("model.")
+        assign(params, key, name, tensor)
+        loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"drafter checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
@@ -139,11 +157,9 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device
     """
     path = Path(path)
     cfg = TargetConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = Target(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)  # stays float32, unlike the weights
-    expected = {n for n, _ in model.named_parameters() if not n.endswith((".w_gate_up", ".w_down"))}
+    model = _empty_target(cfg, dtype, device)
+    params = dict(model.named_parameters())
+    expected = {n for n in params if not n.endswith((".w_gate_up", ".w_down"))}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     expert_tensors = {
@@ -152,12 +168,8 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device
         for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj", "down_proj")
     }
     loaded: set[str] = set()
-    for shard in shard_files(path):
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if _skipped(name, cfg):
-                    continue
-                _place(model, cfg, name, read_tensor(f, name, dtype), loaded)
+    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: _skipped(name, cfg)):
+        _place(model, params, cfg, name, tensor, loaded)
     missing = sorted((expected | expert_tensors) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")

@@ -130,3 +130,7 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     lp, tok = make_draft("normal", 1, 2, 5, 5, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         build_trees(lp, tok, 4, backend="triton")
+    from ddtree.tree import topk_logprobs
+
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        topk_logprobs(torch.zeros(1, 2, 5), 2, backend="triton")

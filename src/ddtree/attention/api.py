@@ -8,6 +8,7 @@ import torch
 import triton
 from triton import knobs
 
+from ..kernels import require_kernel_device
 from .tree_verify import LOG2E, _merge_splits_kernel, _tree_verify_kernel
 
 VALUE_DIM = 512  # kv_lora_rank of DeepSeek-V3 / Kimi K2: the latent, which is also V
@@ -63,8 +64,7 @@ def _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility) -> None
         raise ValueError(f"block_table must be [B={batch}, max_pages], got {tuple(block_table.shape)}")
     if kv_cache.device != q.device:
         raise ValueError(f"kv_cache is on {kv_cache.device} but q is on {q.device}")
-    if q.device.type != "cuda" and not knobs.runtime.interpret:
-        raise ValueError(f"tree_verify_mla needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import")
+    require_kernel_device(q.device, "tree_verify_mla")
 
 
 def _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows) -> None:

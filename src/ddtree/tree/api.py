@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import require_kernel_device
 from .reference import accept_paths_reference, build_trees_reference
 from .types import (
     MAX_TRITON_BUDGET,
@@ -25,13 +26,8 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "reference"
-    if backend == "triton" and device.type != "cuda":
-        from triton import knobs
-
-        if not knobs.runtime.interpret:
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 set before import"
-            )
+    if backend == "triton":
+        require_kernel_device(device, "backend='triton'")
     return backend
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import require_kernel_device
+
 _FLIP_MAGNITUDE = 0x7FFFFFFF  # flips every bit but the sign of a float32's bit pattern
 
 
@@ -46,6 +48,7 @@ def topk_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> tup
     if backend == "triton" and not narrow:
         raise ValueError(f"the triton top-k takes fp16 / bf16 / fp32 logits, got {logits.dtype}")
     if backend == "triton" or (backend == "auto" and narrow and logits.is_cuda):
+        require_kernel_device(logits.device, "backend='triton'")
         from .topk_triton import topk_logprobs_triton
 
         return topk_logprobs_triton(logits, k)

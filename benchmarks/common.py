@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -95,9 +96,11 @@ def measure_ceilings() -> dict:
 
 
 def write_results(name: str, payload: dict, table_md: str, out_dir: Path | None = None) -> Path:
-    """Write <name>.json and <name>.md (provenance header + table) under out_dir."""
+    """Write <name>-<gpu>.json and .md (provenance header + table) under out_dir; <gpu> is the
+    environment's GPU name as a slug (e.g. nvidia-h200), so runs on different devices coexist."""
     out_dir = Path(out_dir) if out_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{name}-{re.sub(r'[^a-z0-9]+', '-', payload['environment']['gpu'].lower()).strip('-')}"
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     env = payload["environment"]
     header = "\n".join(f"- {key}: {value}" for key, value in env.items())

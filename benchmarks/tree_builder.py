@@ -14,13 +14,13 @@ memory floor (logit bytes / measured copy bandwidth) and against plain log_softm
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, measure_ceilings, time_graph_us, write_results  # noqa: E402
@@ -67,7 +67,7 @@ def bench_builder(device: str, batches, budgets, warps_sweep) -> list[dict]:
                 sweep = {}
                 for warps in warps_sweep:
                     sweep[warps] = time_graph_us(lambda w=warps: build_trees_triton(lp, tok, budget, num_warps=w))
-                default = default_num_warps(triton_cap(budget))
+                default = default_num_warps(triton.next_power_of_2(budget))
                 row["triton_us"] = sweep[default]
                 row["default_num_warps"] = default
                 row["triton_us_by_num_warps"] = sweep
@@ -75,12 +75,6 @@ def bench_builder(device: str, batches, budgets, warps_sweep) -> list[dict]:
             rows.append(row)
             print(row, flush=True)
     return rows
-
-
-def triton_cap(budget: int) -> int:
-    import triton
-
-    return triton.next_power_of_2(budget)
 
 
 def bench_topk(device: str, batches, ks, ceilings: dict | None) -> list[dict]:
@@ -104,10 +98,6 @@ def bench_topk(device: str, batches, ks, ceilings: dict | None) -> list[dict]:
             rows.append(row)
             print(row, flush=True)
     return rows
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def main() -> None:
@@ -150,7 +140,7 @@ def main() -> None:
     table = (ceil_md + f"## Draft-tree builder (D = {DEPTH})\n\n" + markdown_table(headers, brows)
              + f"\n\n## topk_logprobs (bf16 logits, D = {DEPTH}, V = {VOCAB_KIMI})\n\n" + markdown_table(theaders, trows))
     payload = {"environment": env, "ceilings": ceilings, "builder": builder, "topk": topk}
-    path = write_results(f"tree_builder-{slug(env['gpu'])}", payload, table, args.out)
+    path = write_results("tree_builder", payload, table, args.out)
     print(table)
     print(f"wrote {path}")
 

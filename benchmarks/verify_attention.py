@@ -122,7 +122,7 @@ def main() -> None:
               f"bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s. 'bound' says which floor is larger.\n\n")
     payload = {"environment": environment(), "ceilings": ceilings, "results": results}
     print(header + table)
-    print("wrote", write_results("verify_attention-" + environment()["gpu"].lower().replace(" ", "-"), payload, header + table, args.out))
+    print("wrote", write_results("verify_attention", payload, header + table, args.out))
 
 
 if __name__ == "__main__":

@@ -76,8 +76,11 @@ class MoE(nn.Module):
         offsets = counts.cumsum(0, dtype=torch.int32)
         gate, up = torch._grouped_mm(x[token], self.w_gate_up, offs=offsets).chunk(2, dim=-1)
         routed = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offsets)
-        routed = routed * weights.flatten()[order, None].to(routed.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, routed)
+        # Back to (token, choice) order and a float32 sum over the k choices: deterministic, unlike
+        # an atomic index_add_, so a graph replay and an eager run give the same bits.
+        per_choice = torch.empty_like(routed)
+        per_choice[order] = routed
+        out = (per_choice.view(-1, k, routed.shape[-1]).float() * weights[..., None]).sum(1).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)

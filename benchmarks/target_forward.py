@@ -1,0 +1,138 @@
+"""The target's verify / decode forward at real shapes, with random weights made on the GPU.
+
+    python benchmarks/target_forward.py --config moonlight-16b-a3b            # all 27 layers
+    python benchmarks/target_forward.py --config kimi-k2 --layers 2           # 1 dense + 1 MoE layer
+
+Configs are the published config.json files under benchmarks/configs/ (Kimi K2's fp8
+quantization_config dropped: ddtree loads bf16). --layers keeps the first L decoder layers, for
+models that do not fit one GPU. Each request has a committed prefix of --prefix tokens in the paged
+cache and verifies N new rows (N = 1: a decode step; N = 65: a budget-64 tree, here a chain).
+
+Timed per shape: the forward replayed from a CUDA graph (what the engine runs) and the same forward
+eager (what a plain PyTorch user runs), both median of many runs after warm-up. The floor is the
+larger of bytes / measured copy bandwidth (weights read once, routed experts counted as touched
+under uniform routing, plus the latent cache) and FLOPs / measured bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, markdown_table, measure_ceilings, time_events_us, time_graph_us, write_results  # noqa: E402
+
+from ddtree.models import TargetConfig, random_target  # noqa: E402
+from ddtree.models.paged import ForwardMeta  # noqa: E402
+from ddtree.tree import pack_visibility  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+PAGE = 64
+
+
+def weight_counts(model) -> tuple[int, int, int]:
+    """(dense parameters read per forward, parameters per routed expert, routed experts per MoE layer x layers)."""
+    dense = expert = routed = 0
+    for name, p in model.named_parameters():
+        if name.endswith((".w_gate_up", ".w_down")):
+            expert += p.numel() // p.shape[0]
+            routed += p.shape[0] if name.endswith(".w_down") else 0
+        elif not name.startswith("embed_tokens"):  # the embedding is gathered, not read whole
+            dense += p.numel()
+    moe_layers = max(sum(1 for n, _ in model.named_parameters() if n.endswith(".w_down")), 1)
+    return dense, expert // moe_layers, routed
+
+
+def floor_us(model, cfg: TargetConfig, batch: int, rows: int, prefix: int, ceilings: dict) -> tuple[float, str]:
+    dense, per_expert, routed = weight_counts(model)
+    tokens = batch * rows
+    experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = routed * (1 - (1 - k / experts) ** tokens) if experts else 0  # expected, uniform routing
+    layers = cfg.num_hidden_layers
+    keys = prefix + rows
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    nbytes = 2 * (dense + touched * per_expert + layers * batch * keys * width)
+    moe_layers = routed // experts if experts else 0
+    flops = 2 * tokens * (dense + moe_layers * k * per_expert)
+    flops += 2 * tokens * cfg.num_attention_heads * keys * (width + cfg.kv_lora_rank) * layers
+    memory = nbytes / (ceilings["copy_bandwidth_GBps"] * 1e3)
+    compute = flops / (ceilings["bf16_matmul_TFLOPs"] * 1e6)
+    return max(memory, compute), ("memory" if memory >= compute else "compute")
+
+
+def setup(model, batch: int, rows: int, prefix: int):
+    """Caches holding a random committed prefix and the metadata of one verify forward."""
+    pages = (prefix + rows + PAGE - 1) // PAGE
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = model.new_cache(batch * pages, PAGE)
+    for cache in caches:
+        cache.normal_(0, 1, generator=gen)
+    prefix_lens = torch.full((batch,), prefix, dtype=torch.int32, device="cuda")
+    chain = torch.ones(rows, rows, dtype=torch.bool, device="cuda").tril()
+    meta = ForwardMeta(
+        block_table=torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).int(),
+        prefix_lens=prefix_lens,
+        num_rows=torch.full((batch,), rows, dtype=torch.int32, device="cuda"),
+        positions=prefix + torch.arange(rows, device="cuda").expand(batch, rows),
+        visibility=pack_visibility(chain.expand(batch, rows, rows)),
+    )
+    ids = torch.randint(0, model.cfg.vocab_size, (batch, rows), device="cuda", generator=gen)
+    return ids, meta, caches
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="moonlight-16b-a3b", help="a name under benchmarks/configs/")
+    parser.add_argument("--layers", type=int, default=None, help="keep the first L decoder layers")
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 65])
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("target_forward.py needs a CUDA GPU")
+    raw = json.loads((CONFIGS / f"{args.config}.json").read_text())
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
+    cfg = TargetConfig.from_dict(raw)
+    ceilings = measure_ceilings()
+    model = random_target(cfg, dtype=torch.bfloat16, device="cuda")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{args.config}: {cfg.num_hidden_layers} layers, {params / 1e9:.2f} B parameters", ceilings, flush=True)
+    results = []
+    for batch in args.batches:
+        for rows in args.rows:
+            ids, meta, caches = setup(model, batch, rows, args.prefix)
+            forward = lambda: model.forward_paged(ids, meta, caches)  # noqa: E731
+            graph = time_graph_us(forward, launches_per_graph=2, trials=10)
+            eager = time_events_us(forward, trials=10, warmup=2)
+            floor, bound = floor_us(model, cfg, batch, rows, args.prefix, ceilings)
+            row = {"B": batch, "N": rows, "prefix": args.prefix, "graph_us": graph, "eager_us": eager,
+                   "floor_us": floor, "bound": bound, "graph_x_floor": graph / floor, "eager_over_graph": eager / graph}
+            print(row, flush=True)
+            results.append(row)
+            del caches
+            torch.cuda.empty_cache()
+    table = markdown_table(
+        ["B", "N", "prefix", "graph (ms)", "eager (ms)", "eager / graph", "floor (ms)", "bound", "graph x floor"],
+        [[r["B"], r["N"], r["prefix"], f"{r['graph_us'] / 1e3:.2f}", f"{r['eager_us'] / 1e3:.2f}",
+          f"{r['eager_over_graph']:.2f}", f"{r['floor_us'] / 1e3:.3f}", r["bound"], f"{r['graph_x_floor']:.1f}"]
+         for r in results],
+    )
+    header = (f"{args.config}, first {cfg.num_hidden_layers} layer(s), {params / 1e9:.2f} B parameters, random bf16 "
+              f"weights, page {PAGE}. Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
+              f"{ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n")
+    payload = {"environment": environment(), "config": args.config, "layers": cfg.num_hidden_layers,
+               "parameters": params, "ceilings": ceilings, "results": results}
+    print(header + table)
+    name = f"target_forward-{args.config}" + (f"-{cfg.num_hidden_layers}l" if args.layers else "")
+    print("wrote", write_results(name, payload, header + table, args.out))
+
+
+if __name__ == "__main__":
+    main()

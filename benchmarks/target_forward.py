@@ -116,7 +116,7 @@ def main() -> None:
                    "floor_us": floor, "bound": bound, "graph_x_floor": graph / floor, "eager_over_graph": eager / graph}
             print(row, flush=True)
             results.append(row)
-            del caches
+            forward = caches = None  # free this shape's cache before the next
             torch.cuda.empty_cache()
     table = markdown_table(
         ["B", "N", "prefix", "graph (ms)", "eager (ms)", "eager / graph", "floor (ms)", "bound", "graph x floor"],

@@ -4,8 +4,9 @@
     python benchmarks/verify_attention.py --sweep    # dev: time kernel configs at a few shapes
 
 Grid: H = 64 (Kimi K2), B in {1, 8, 32, 64}, prefix in {512, 4096, 32768}, N in {16, 65}, page 64,
-bf16. Rows see the whole prefix and a chain inside the tree (row n sees rows 0..n). Ours is timed
-by CUDA-graph replay (median); SDPA (q as B x 1 x (N*H) rows against one shared KV head, boolean
+bf16. Rows see the whole prefix and a chain inside the tree (row n sees rows 0..n). Ours (the
+default backend: the Gluon Hopper kernel on an H100 / H200) and the portable Triton kernel are
+timed by CUDA-graph replay (median); SDPA (q as B x 1 x (N*H) rows against one shared KV head, boolean
 mask [B, 1, N*H, L], K/V gathered contiguously beforehand and not timed) with CUDA events.
 FLOPs = 2 * rows * keys * (576 + 512); bytes = KV read once per request + q + out; the floor is the
 larger of FLOPs / measured bf16 matmul rate and bytes / measured copy bandwidth.
@@ -59,8 +60,12 @@ def sdpa_baseline(q, kv, block_table, prefix, chain):
 
 def measure(batch, prefix, rows, ceilings, with_sdpa=True, **config) -> dict:
     q, kv, bt, pl, nn, vis, chain = make_inputs(batch, prefix, rows)
-    ours = time_graph_us(lambda: tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, check=False, **config),
-                         launches_per_graph=5, trials=15)
+    def timed(**kw):
+        return time_graph_us(lambda: tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, check=False, **kw),
+                             launches_per_graph=5, trials=15)
+
+    ours = timed(**config)
+    triton_us = timed(backend="triton") if with_sdpa else None
     keys = prefix + rows
     flops = 2 * batch * rows * HEADS * keys * (DIM + VDIM)
     nbytes = 2 * (batch * keys * DIM + batch * rows * HEADS * (DIM + VDIM))
@@ -68,6 +73,7 @@ def measure(batch, prefix, rows, ceilings, with_sdpa=True, **config) -> dict:
     memory_us = nbytes / (ceilings["copy_bandwidth_GBps"] * 1e3)
     row = {"B": batch, "prefix": prefix, "N": rows, "H": HEADS, "ours_us": ours,
            "ours_TFLOPs": flops / ours / 1e6, "ours_GBps": nbytes / ours / 1e3,
+           "triton_us": triton_us, "triton_TFLOPs": flops / triton_us / 1e6 if triton_us else None,
            "floor_us": max(compute_us, memory_us), "bound": "compute" if compute_us >= memory_us else "memory"}
     row["ours_x_floor"] = ours / row["floor_us"]
     if with_sdpa:
@@ -88,7 +94,7 @@ def sweep(ceilings) -> None:
             for warps in (4, 8):
                 for stages in (1, 2, 3):
                     try:
-                        r = measure(batch, prefix, rows, ceilings, with_sdpa=False,
+                        r = measure(batch, prefix, rows, ceilings, with_sdpa=False, backend="triton",
                                     block_n=block_n, num_warps=warps, num_stages=stages)
                         print(f"| {batch} | {prefix} | {rows} | {block_n} | {warps} | {stages} | "
                               f"{r['ours_us']:.0f} | {r['ours_TFLOPs']:.0f} |", flush=True)
@@ -113,9 +119,9 @@ def main() -> None:
         return "OOM" if x is None else format(x, spec)
 
     table = markdown_table(
-        ["B", "prefix", "N", "ours (us)", "TFLOP/s", "GB/s", "SDPA (us)", "SDPA TFLOP/s", "vs SDPA", "floor (us)", "bound", "x floor"],
+        ["B", "prefix", "N", "ours (us)", "TFLOP/s", "GB/s", "triton kernel (us)", "SDPA (us)", "SDPA TFLOP/s", "vs SDPA", "floor (us)", "bound", "x floor"],
         [[r["B"], r["prefix"], r["N"], f"{r['ours_us']:.1f}", f"{r['ours_TFLOPs']:.0f}", f"{r['ours_GBps']:.0f}",
-          fmt(r["sdpa_us"], ".1f"), fmt(r["sdpa_TFLOPs"], ".0f"), fmt(r["speedup_vs_sdpa"], ".1f"),
+          f"{r['triton_us']:.1f}", fmt(r["sdpa_us"], ".1f"), fmt(r["sdpa_TFLOPs"], ".0f"), fmt(r["speedup_vs_sdpa"], ".1f"),
           f"{r['floor_us']:.1f}", r["bound"], f"{r['ours_x_floor']:.2f}"] for r in results],
     )
     header = (f"H = {HEADS}, bf16, page {PAGE}. Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, "

@@ -25,3 +25,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def kernel_device() -> str:
     return KERNEL_DEVICE
+
+
+def _attention_backends() -> list[str]:
+    """tree_verify_mla backends to test here: the Triton kernel everywhere (the interpreter on the
+    CPU), plus the Gluon Hopper kernel on an sm_90 GPU."""
+    if HAS_CUDA and torch.cuda.get_device_capability()[0] == 9:
+        return ["triton", "hopper"]
+    return ["triton"]
+
+
+def pytest_generate_tests(metafunc):
+    if "attention_backend" in metafunc.fixturenames:
+        metafunc.parametrize("attention_backend", _attention_backends())

@@ -56,3 +56,11 @@ def test_split_choice_depends_on_shapes_only():
     assert choose_num_splits(1, 16 * 64, 32768, cpu) == 1  # 16 tiles already fill 2 x 8
     assert choose_num_splits(1, 64, 32768, cpu) == 16  # one tile: split to fill
     assert choose_num_splits(1, 64, 300, cpu) == 1  # too few keys to split
+
+
+def test_backend_errors():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tree_verify_mla(*_inputs(), 0.1, backend="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="the hopper backend cannot run here: it needs a CUDA device"):
+            tree_verify_mla(*_inputs(), 0.1, backend="hopper")

@@ -12,11 +12,11 @@ from .cases import Case, make_inputs
 SCALE = 192**-0.5 * 1.2**2  # (qk_nope + qk_rope)^-0.5 * mscale^2, as for Kimi K2
 
 
-def _run_and_compare(case: Case, device: str, num_splits=None, tol=1e-2):
+def _run_and_compare(case: Case, device: str, backend: str, num_splits=None, tol=1e-2):
     q, kv, bt, pl, nn, vis = make_inputs(case, device)
     out = torch.full(q.shape[:3] + (512,), float("nan"), dtype=q.dtype, device=device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=device)
-    tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, num_splits=num_splits, out=(out, lse))
+    tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, num_splits=num_splits, out=(out, lse), backend=backend)
     ref_out, ref_lse = tree_verify_mla_reference(q.cpu(), kv.cpu(), bt.cpu(), pl.cpu(), nn.cpu(), vis.cpu(), SCALE)
     out, lse = out.cpu().double(), lse.cpu().double()
     assert not torch.isnan(out).any(), "NaN in out (unwritten row or a stray read)"
@@ -35,28 +35,28 @@ PAGE_EDGE_PREFIXES = [0, 1, 15, 16, 17, 200]  # 0, 1, page-1, page, page+1, long
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_prefix_edges_ragged_tree_batch(page_size, kernel_device):
+def test_prefix_edges_ragged_tree_batch(page_size, kernel_device, attention_backend):
     prefixes = [p * page_size // 16 for p in PAGE_EDGE_PREFIXES]
     case = Case(heads=16, prefixes=prefixes, tree_rows=[9, 1, 5, 9, 3, 7], rows=9, page_size=page_size, seed=page_size)
-    _run_and_compare(case, kernel_device)
+    _run_and_compare(case, kernel_device, attention_backend)
 
 
 @pytest.mark.parametrize("heads,rows", [(16, 1), (64, 5), (64, 65), (128, 3)])
-def test_heads_and_tree_sizes(heads, rows, kernel_device):
+def test_heads_and_tree_sizes(heads, rows, kernel_device, attention_backend):
     case = Case(heads=heads, prefixes=[37, 70], tree_rows=[rows, max(1, rows - 2)], rows=rows, seed=heads + rows)
-    _run_and_compare(case, kernel_device)
+    _run_and_compare(case, kernel_device, attention_backend)
 
 
-def test_chain_and_fp16(kernel_device):
+def test_chain_and_fp16(kernel_device, attention_backend):
     case = Case(heads=16, prefixes=[5, 64], tree_rows=[12, 12], rows=12, chain=True, dtype=torch.float16)
-    _run_and_compare(case, kernel_device, tol=5e-3)
+    _run_and_compare(case, kernel_device, attention_backend, tol=5e-3)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_split_kv_matches(num_splits, kernel_device):
+def test_split_kv_matches(num_splits, kernel_device, attention_backend):
     # 5 splits of a 300-key range leave some splits with few or no keys for short requests.
     case = Case(heads=16, prefixes=[280, 3], tree_rows=[6, 6], rows=6, seed=num_splits)
-    _run_and_compare(case, kernel_device, num_splits=num_splits)
+    _run_and_compare(case, kernel_device, attention_backend, num_splits=num_splits)
 
 
 @pytest.mark.cuda
@@ -64,10 +64,10 @@ def test_split_kv_matches(num_splits, kernel_device):
     "heads,prefixes,rows,page",
     [(64, [4096, 1, 777], 65, 64), (128, [300, 2000], 65, 16), (64, [33, 65], 257, 64), (16, [32768], 16, 64)],
 )
-def test_large_shapes_on_gpu(heads, prefixes, rows, page):
+def test_large_shapes_on_gpu(heads, prefixes, rows, page, attention_backend):
     tree_rows = [rows - i for i in range(len(prefixes))]
     case = Case(heads=heads, prefixes=prefixes, tree_rows=tree_rows, rows=rows, page_size=page)
-    _run_and_compare(case, "cuda")
+    _run_and_compare(case, "cuda", attention_backend)
 
 
 def test_scale_is_the_callers():

@@ -11,6 +11,8 @@ from triton import knobs
 from ..kernels import require_kernel_device
 from .tree_verify import LOG2E, _merge_splits_kernel, _tree_verify_kernel
 
+BACKENDS = ("auto", "hopper", "triton")
+
 VALUE_DIM = 512  # kv_lora_rank of DeepSeek-V3 / Kimi K2: the latent, which is also V
 BLOCK_M = 64  # query rows (node, head) per program
 BLOCK_N = 64  # keys per KV tile
@@ -88,6 +90,52 @@ def _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows) -> None:
         raise ValueError(f"block_table[{b}, {p}] = {int(block_table[b, p])} is not a page of kv_cache (0..{kv_cache.shape[0] - 1})")
 
 
+def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    """Why the Hopper (Gluon, TMA + wgmma) kernel cannot take these inputs, or None if it can."""
+    if knobs.runtime.interpret or not q.is_cuda:
+        return "it needs a CUDA device (not the interpreter)"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"it needs an sm_90 GPU, this is {torch.cuda.get_device_name(q.device)}"
+    if q.shape[-1] != VALUE_DIM + 64:
+        return f"it is built for 576-dim rows (512 latent + 64 rope), got {q.shape[-1]}"
+    page_size = kv_cache.shape[1]
+    if page_size < 8 or page_size & (page_size - 1):
+        return f"it needs a power-of-two page size >= 8, got {page_size}"
+    if kv_cache.stride(1) != kv_cache.shape[2] or kv_cache.stride(0) != page_size * kv_cache.shape[2]:
+        return "it needs a contiguous kv_cache (read by TMA)"
+    if kv_cache.data_ptr() % 16:
+        return "it needs a 16-byte aligned kv_cache"
+    return None
+
+
+def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+                   softmax_scale, num_splits) -> None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .tree_verify_hopper import _tree_verify_hopper_kernel
+
+    batch, rows, heads, dim = q.shape
+    page_size = kv_cache.shape[1]
+    page_rows = min(page_size, BLOCK_N)  # one TMA copy per page-sized run of a KV tile
+    entries = kv_cache.view(-1, dim)
+    layout = gl.NVMMASharedLayout(128, 16)
+    latent = TensorDescriptor(entries, [entries.shape[0], VALUE_DIM], [dim, 1], [page_rows, VALUE_DIM], layout)
+    rope = TensorDescriptor(entries[:, VALUE_DIM:], [entries.shape[0], dim - VALUE_DIM], [dim, 1],
+                            [page_rows, dim - VALUE_DIM], layout)
+    grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
+    _tree_verify_hopper_kernel[grid](
+        q, latent, rope, block_table, prefix_lens, num_nodes, visibility,
+        part, part_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        block_table.stride(0), visibility.stride(0), visibility.stride(1),
+        *part.stride()[:4], *part_lse.stride(),
+        softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, entries.shape[0],
+        D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
+        num_warps=8,
+    )
+
+
 def tree_verify_mla(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -100,6 +148,7 @@ def tree_verify_mla(
     num_splits: int | None = None,
     check: bool = True,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    backend: str = "auto",
     block_n: int = BLOCK_N,
     num_warps: int = 8,
     num_stages: int = 2,
@@ -120,10 +169,18 @@ def tree_verify_mla(
     check:        validate lengths and page ids against the block table (reads them back: a host
                   sync; pass False inside CUDA graphs once the metadata is known to be valid).
     out:          optional (out, lse) buffers to write into, e.g. a CUDA graph's static outputs.
-    block_n, num_warps, num_stages: kernel tuning (keys per KV tile, warps, pipeline depth).
+    backend:      "hopper" (Gluon: TMA + warpgroup MMAs, sm_90 only), "triton" (portable, and the
+                  one the interpreter runs) or "auto" (hopper where hopper_unsupported says it can).
+    block_n, num_warps, num_stages: tuning of the triton backend (keys per tile, warps, stages).
     Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
     """
     _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    why_not = hopper_unsupported(q, kv_cache)
+    if backend == "hopper" and why_not:
+        raise ValueError(f"the hopper backend cannot run here: {why_not}")
+    use_hopper = backend == "hopper" or (backend == "auto" and why_not is None)
     batch, rows, heads, dim = q.shape
     if check:
         _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows)
@@ -148,6 +205,23 @@ def tree_verify_mla(
     else:
         part = torch.empty(batch, rows, heads, num_splits, VALUE_DIM, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, rows, heads, num_splits, dtype=torch.float32, device=q.device)
+    if use_hopper:
+        _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+                       softmax_scale, num_splits)
+    else:
+        _launch_triton(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+                       softmax_scale, num_splits, block_n, num_warps, num_stages)
+    if num_splits > 1:
+        _merge_splits_kernel[(batch * rows * heads,)](
+            part, part_lse, out, lse, num_splits,
+            D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out, lse
+
+
+def _launch_triton(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+                   softmax_scale, num_splits, block_n, num_warps, num_stages) -> None:
+    batch, rows, heads, dim = q.shape
     grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
     _tree_verify_kernel[grid](
         q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
@@ -161,9 +235,3 @@ def tree_verify_mla(
         DOT_F32=q.dtype == torch.bfloat16 and knobs.runtime.interpret,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(batch * rows * heads,)](
-            part, part_lse, out, lse, num_splits,
-            D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
-        )
-    return out, lse

@@ -1,0 +1,170 @@
+"""Tree-verify MLA attention for Hopper (sm_90) in Gluon: TMA-fed KV tiles, warpgroup MMAs.
+
+Same contract and tiling as tree_verify.py (a 64-row tile of packed (node, head) rows per program,
+split-KV merged by log-sum-exp), written one level lower so that no tensor-core work is repeated:
+
+- S = Q K^T is split by key columns between the two warpgroups (each computes 64 x BLOCK_N / 2),
+  where plain Triton gives a product that feeds another product to every warp, so both
+  warpgroups computed the whole S.
+- P goes through shared memory once; each warpgroup multiplies it by its own half of V (the
+  latent columns 0..255 or 256..511), so the [64, 512] float32 accumulator costs 128 registers
+  per thread.
+- KV tiles arrive by TMA (one copy per page-sized block of rows, located through the block
+  table) into a two-stage ring, so tile i + 1 loads while tile i is computed. Q stays in shared
+  memory as the A operand.
+Rows of the last tile past the sequence (stale slots of its page) are zeroed before use, so
+garbage there, NaN included, never reaches the output.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+
+STAGES = gl.constexpr(2)  # KV tiles in flight: 2 x 72 KB of shared memory
+
+
+@gluon.jit
+def _issue_tile(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row_ptr, k0, kv_len, page_size, past_end,
+                BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr):
+    """Start the TMA copies of keys k0 .. k0 + BLOCK_N into one stage; `bar` counts their bytes.
+    Blocks wholly past the sequence read row `past_end` (beyond the cache: TMA fills zeros)."""
+    mbarrier.expect(bar, BLOCK_N * (D_V + D_ROPE) * 2)
+    for r in gl.static_range(BLOCK_N // PAGE_ROWS):
+        slot = k0 + r * PAGE_ROWS
+        page = gl.load(bt_row_ptr + slot // page_size, mask=slot < kv_len, other=0)
+        row = gl.where(slot < kv_len, page * page_size + slot % page_size, past_end)
+        tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_buf.slice(r * PAGE_ROWS, PAGE_ROWS, dim=0))
+        tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_buf.slice(r * PAGE_ROWS, PAGE_ROWS, dim=0))
+
+
+@gluon.jit
+def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, D_V: gl.constexpr, layout: gl.constexpr):
+    """buf[first:, :] = 0 for a [BLOCK_N, D_V] shared tile (generic stores; caller fences)."""
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    for c in gl.static_range(D_V // 128):
+        chunk = buf.slice(c * 128, 128, dim=1)
+        vals = chunk.load(layout)
+        chunk.store(gl.where((rows >= first)[:, None], gl.zeros_like(vals), vals))
+
+
+@gluon.jit
+def _tree_verify_hopper_kernel(
+    q_ptr, kn_desc, kr_desc, block_table_ptr, prefix_ptr, num_nodes_ptr, vis_ptr,
+    out_ptr, lse_ptr,
+    stride_qb, stride_qn, stride_qh,
+    stride_btb, stride_visb, stride_visn,
+    stride_ob, stride_on, stride_oh, stride_os,
+    stride_lb, stride_ln, stride_lh, stride_ls,
+    qk_scale, rows_per_req, heads, page_size, num_splits, past_end,
+    D_V: gl.constexpr, D_ROPE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr,
+):
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    # Warpgroup w computes S[:, w * BLOCK_N / 2 ...] and O[:, w * D_V / 2 ...].
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_V // 2, 16])
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(128, 16)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pid_m = gl.program_id(0)
+    b = gl.program_id(1).to(gl.int64)
+    split = gl.program_id(2)
+    prefix = gl.load(prefix_ptr + b)
+    n_valid = gl.load(num_nodes_ptr + b).to(gl.int32)
+    kv_len = prefix + n_valid  # tree slots past num_nodes may be stale: never read
+    bt_row_ptr = block_table_ptr + b * stride_btb
+
+    # Q tile -> shared memory (the A operand of S), padding rows as zeros.
+    io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    io_ok = (io_rows < rows_per_req) & (io_rows // heads < n_valid)
+    q_row = q_ptr + b * stride_qb + (io_rows // heads)[:, None] * stride_qn + (io_rows % heads)[:, None] * stride_qh
+    cols_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
+    cols_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, io_layout))
+    qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], smem_layout,
+                                        gl.load(q_row + cols_v[None, :], mask=io_ok[:, None], other=0.0))
+    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], smem_layout,
+                                        gl.load(q_row + D_V + cols_r[None, :], mask=io_ok[:, None], other=0.0))
+    kn_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], kn_desc.layout)
+    kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], kr_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], smem_layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(bars.index(st), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # This split's key range, in whole KV tiles.
+    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    k_start = split * chunk
+    k_end = gl.minimum(k_start + chunk, kv_len)
+    n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
+    for st in gl.static_range(STAGES):
+        if st < n_tiles:
+            _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
+                        k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+
+    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    node = rows // heads
+    row_ok = (rows < rows_per_req) & (node < n_valid)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, D_V], gl.float32, o_layout)
+    for i in range(n_tiles):
+        stage = i % STAGES
+        k0 = k_start + i * BLOCK_N
+        kn = kn_smem.index(stage)
+        kr = kr_smem.index(stage)
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        if k0 + BLOCK_N > k_end:  # last tile: its page's slots past the end hold stale values
+            _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
+            fence_async_shared()
+            gl.thread_barrier()
+        s = warpgroup_mma(qn_smem, kn.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), is_async=True)
+        s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s]) * qk_scale  # log2 domain
+        keys = k0 + offs_n
+        allowed = (keys < k_end)[None, :] & row_ok[:, None]
+        if k0 + BLOCK_N > prefix:  # the tile reaches the tree slots: apply the ancestor mask
+            j = keys - prefix
+            in_tree = (j >= 0)[None, :]
+            word = gl.load(vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
+                           mask=in_tree & allowed, other=0)
+            seen = ((word >> (j & 63)[None, :]) & 1) != 0
+            allowed = allowed & (~in_tree | seen)
+        s = gl.where(allowed, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # both halves of P are in shared memory
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()  # every warp is done with this stage and with P
+        if i + STAGES < n_tiles:
+            _issue_tile(kn_desc, kr_desc, kn, kr, bars.index(stage), bt_row_ptr, k0 + STAGES * BLOCK_N, k_end,
+                        page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(st))
+
+    has_keys = l_i > 0.0
+    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / gl.where(has_keys, l_i, 1.0), 0.0), row_o)
+    out = acc * inv_l[:, None]
+    rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+    cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
+    o_row = out_ptr + b * stride_ob + (rows_o // heads)[:, None] * stride_on + (rows_o % heads)[:, None] * stride_oh
+    gl.store(o_row + split * stride_os + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows_o < rows_per_req)[:, None])
+    l_ptrs = lse_ptr + b * stride_lb + node * stride_ln + (rows % heads) * stride_lh + split * stride_ls
+    gl.store(l_ptrs, lse, mask=rows < rows_per_req)

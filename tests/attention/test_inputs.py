@@ -5,11 +5,13 @@ import torch
 
 from ddtree.attention import choose_num_splits, tree_verify_mla
 
+from ..conftest import KERNEL_DEVICE
 from .cases import Case, make_inputs
 
 
 def _inputs():
-    return list(make_inputs(Case(heads=16, prefixes=[20, 5], tree_rows=[4, 3], rows=4), "cpu"))
+    """Valid inputs where the kernel runs (the GPU, else the CPU interpreter)."""
+    return list(make_inputs(Case(heads=16, prefixes=[20, 5], tree_rows=[4, 3], rows=4), KERNEL_DEVICE))
 
 
 @pytest.mark.parametrize(
@@ -34,7 +36,7 @@ def test_shape_and_dtype_errors(index, bad, error, match):
 
 def test_value_errors():
     args = _inputs()
-    args[4] = torch.tensor([5, 3], dtype=torch.int32)  # more rows than N = 4
+    args[4] = torch.tensor([5, 3], dtype=torch.int32, device=KERNEL_DEVICE)  # more rows than N = 4
     with pytest.raises(ValueError, match=r"num_nodes must be in \[0, N=4\]"):
         tree_verify_mla(*args, 0.1)
     args = _inputs()

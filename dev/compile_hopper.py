@@ -31,9 +31,11 @@ args = dict(q_ptr=kv, kn_desc=kn, kr_desc=kr, block_table_ptr=torch.zeros(1, dty
             prefix_ptr=torch.zeros(1, dtype=torch.int32), num_nodes_ptr=torch.zeros(1, dtype=torch.int32),
             vis_ptr=torch.zeros(1, dtype=torch.int64), out_ptr=kv, lse_ptr=torch.zeros(1))
 consts = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows)
+consts.update(__import__("json").loads(sys.argv[2]) if len(sys.argv) > 2 else {})
 signature, constexprs = {}, {}
 for name in names:
-    if name in consts:
+    if name in consts or (name.isupper() and fn.params[names.index(name)].default is not None):
+        consts.setdefault(name, fn.params[names.index(name)].default)
         signature[name] = "constexpr"
         constexprs[(names.index(name),)] = consts[name]
     elif name in args:

@@ -109,7 +109,7 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
 
 
 def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
-                   softmax_scale, num_splits) -> None:
+                   softmax_scale, num_splits, **flags) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -132,7 +132,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
         *part.stride()[:4], *part_lse.stride(),
         softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, entries.shape[0],
         D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
-        num_warps=8,
+        num_warps=8, **flags,
     )
 
 

@@ -61,6 +61,7 @@ def _tree_verify_hopper_kernel(
     qk_scale, rows_per_req, heads, page_size, num_splits, past_end,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr,
+    EARLY_TMA: gl.constexpr = True, SMEM_EPILOGUE: gl.constexpr = False, PROBE: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # Warpgroup w computes S[:, w * BLOCK_N / 2 ...] and O[:, w * D_V / 2 ...].
@@ -79,18 +80,10 @@ def _tree_verify_hopper_kernel(
     kv_len = prefix + n_valid  # tree slots past num_nodes may be stale: never read
     bt_row_ptr = block_table_ptr + b * stride_btb
 
-    # Q tile -> shared memory (the A operand of S), padding rows as zeros.
-    io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
-    io_ok = (io_rows < rows_per_req) & (io_rows // heads < n_valid)
-    q_row = q_ptr + b * stride_qb + (io_rows // heads)[:, None] * stride_qn + (io_rows % heads)[:, None] * stride_qh
-    cols_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
-    cols_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, io_layout))
-    qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], smem_layout,
-                                        gl.load(q_row + cols_v[None, :], mask=io_ok[:, None], other=0.0))
-    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], smem_layout,
-                                        gl.load(q_row + D_V + cols_r[None, :], mask=io_ok[:, None], other=0.0))
     kn_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], kn_desc.layout)
     kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], kr_desc.layout)
+    qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], smem_layout)
+    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], smem_layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], smem_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
@@ -103,10 +96,29 @@ def _tree_verify_hopper_kernel(
     k_start = split * chunk
     k_end = gl.minimum(k_start + chunk, kv_len)
     n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
-    for st in gl.static_range(STAGES):
-        if st < n_tiles:
-            _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
-                        k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+    if EARLY_TMA:  # the first KV tiles load while Q is staged
+        for st in gl.static_range(STAGES):
+            if st < n_tiles:
+                _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
+                            k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+
+    # Q tile -> shared memory (the A operand of S), padding rows as zeros.
+    io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    io_ok = (io_rows < rows_per_req) & (io_rows // heads < n_valid)
+    q_row = q_ptr + b * stride_qb + (io_rows // heads)[:, None] * stride_qn + (io_rows % heads)[:, None] * stride_qh
+    cols_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
+    cols_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, io_layout))
+    if PROBE == 2:
+        io_ok = io_ok & (io_rows < 0)
+    qn_smem.store(gl.load(q_row + cols_v[None, :], mask=io_ok[:, None], other=0.0))
+    qr_smem.store(gl.load(q_row + D_V + cols_r[None, :], mask=io_ok[:, None], other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+    if EARLY_TMA == 0:
+        for st in gl.static_range(STAGES):
+            if st < n_tiles:
+                _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
+                            k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
 
     rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
     node = rows // heads
@@ -161,10 +173,20 @@ def _tree_verify_hopper_kernel(
     lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / gl.where(has_keys, l_i, 1.0), 0.0), row_o)
     out = acc * inv_l[:, None]
-    rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-    cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
-    o_row = out_ptr + b * stride_ob + (rows_o // heads)[:, None] * stride_on + (rows_o % heads)[:, None] * stride_oh
-    gl.store(o_row + split * stride_os + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(rows_o < rows_per_req)[:, None])
+    if SMEM_EPILOGUE:  # through shared memory, so each thread stores 16-byte runs of a row
+        staging = kn_smem.index(0)
+        staging.store(out.to(dtype))
+        gl.thread_barrier()
+        io_out = out_ptr + b * stride_ob + (io_rows // heads)[:, None] * stride_on + (io_rows % heads)[:, None] * stride_oh
+        if PROBE != 1:
+            gl.store(io_out + split * stride_os + cols_v[None, :], staging.load(io_layout),
+                     mask=(io_rows < rows_per_req)[:, None])
+    else:
+        rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+        cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
+        o_row = out_ptr + b * stride_ob + (rows_o // heads)[:, None] * stride_on + (rows_o % heads)[:, None] * stride_oh
+        if PROBE != 1:
+            gl.store(o_row + split * stride_os + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=(rows_o < rows_per_req)[:, None])
     l_ptrs = lse_ptr + b * stride_lb + node * stride_ln + (rows % heads) * stride_lh + split * stride_ls
     gl.store(l_ptrs, lse, mask=rows < rows_per_req)

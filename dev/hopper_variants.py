@@ -13,11 +13,12 @@ from verify_attention import SCALE, make_inputs  # noqa: E402
 from ddtree.attention import api  # noqa: E402
 
 VARIANTS = {
-    "late TMA": dict(EARLY_TMA=False),
-    "early TMA": dict(EARLY_TMA=True),
-    "early TMA + smem epilogue": dict(EARLY_TMA=True, SMEM_EPILOGUE=True),
-    "no output store": dict(EARLY_TMA=True, PROBE=1),
-    "no Q load": dict(EARLY_TMA=True, PROBE=2),
+    "default": dict(),
+    "direct epilogue": dict(SMEM_EPILOGUE=False),
+    "no output store": dict(PROBE=1),
+    "no Q load": dict(PROBE=2),
+    "no bitmask": dict(PROBE=3),
+    "no zero fix-up": dict(PROBE=4),
 }
 for batch, prefix, rows in [(64, 0, 16), (64, 512, 16), (32, 512, 65), (32, 4096, 65)]:
     q, kv, bt, pl, nn, vis, _ = make_inputs(batch, prefix, rows)

@@ -123,6 +123,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
     latent = TensorDescriptor(entries, [entries.shape[0], VALUE_DIM], [dim, 1], [page_rows, VALUE_DIM], layout)
     rope = TensorDescriptor(entries[:, VALUE_DIM:], [entries.shape[0], dim - VALUE_DIM], [dim, 1],
                             [page_rows, dim - VALUE_DIM], layout)
+    flags.setdefault("SMEM_EPILOGUE", num_splits == 1)  # the output tile is q's dtype: stage it in smem
     grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
     _tree_verify_hopper_kernel[grid](
         q, latent, rope, block_table, prefix_lens, num_nodes, visibility,

@@ -134,22 +134,26 @@ def _tree_verify_hopper_kernel(
         kr = kr_smem.index(stage)
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         if k0 + BLOCK_N > k_end:  # last tile: its page's slots past the end hold stale values
-            _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
-            fence_async_shared()
-            gl.thread_barrier()
+            if PROBE != 4:
+                _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
+                fence_async_shared()
+                gl.thread_barrier()
         s = warpgroup_mma(qn_smem, kn.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), is_async=True)
         s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s]) * qk_scale  # log2 domain
+        # The mask is built while the tensor cores run; only tiles reaching the tree slots read
+        # the ancestor bitmask.
         keys = k0 + offs_n
         allowed = (keys < k_end)[None, :] & row_ok[:, None]
-        if k0 + BLOCK_N > prefix:  # the tile reaches the tree slots: apply the ancestor mask
-            j = keys - prefix
-            in_tree = (j >= 0)[None, :]
-            word = gl.load(vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
-                           mask=in_tree & allowed, other=0)
-            seen = ((word >> (j & 63)[None, :]) & 1) != 0
-            allowed = allowed & (~in_tree | seen)
-        s = gl.where(allowed, s, float("-inf"))
+        if k0 + BLOCK_N > prefix:
+            if PROBE != 3:
+                j = keys - prefix
+                in_tree = (j >= 0)[None, :]
+                word = gl.load(vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
+                               mask=in_tree & allowed, other=0)
+                seen = ((word >> (j & 63)[None, :]) & 1) != 0
+                allowed = allowed & (~in_tree | seen)
+        s = warpgroup_mma_wait(0, deps=[s])
+        s = gl.where(allowed, s * qk_scale, float("-inf"))  # log2 domain
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
         alpha = gl.exp2(m_i - m_safe)
@@ -178,9 +182,10 @@ def _tree_verify_hopper_kernel(
         staging.store(out.to(dtype))
         gl.thread_barrier()
         io_out = out_ptr + b * stride_ob + (io_rows // heads)[:, None] * stride_on + (io_rows % heads)[:, None] * stride_oh
-        if PROBE != 1:
-            gl.store(io_out + split * stride_os + cols_v[None, :], staging.load(io_layout),
-                     mask=(io_rows < rows_per_req)[:, None])
+        io_mask = io_rows < rows_per_req
+        if PROBE == 1:
+            io_mask = io_rows < rows_per_req - 1_000_000_000
+        gl.store(io_out + split * stride_os + cols_v[None, :], staging.load(io_layout), mask=io_mask[:, None])
     else:
         rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
         cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))

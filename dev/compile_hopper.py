@@ -25,12 +25,16 @@ kv = torch.zeros(64 * 64, 576, dtype=torch.bfloat16)
 layout = gl.NVMMASharedLayout(128, 16)
 kn = TensorDescriptor(kv, [kv.shape[0], 512], [576, 1], [page_rows, 512], layout)
 kr = TensorDescriptor(kv[:, 512:], [kv.shape[0], 64], [576, 1], [page_rows, 64], layout)
+qn = TensorDescriptor(kv, [kv.shape[0], 512], [576, 1], [64, 512], layout)
+qr = TensorDescriptor(kv[:, 512:], [kv.shape[0], 64], [576, 1], [64, 64], layout)
+out = torch.zeros(4096, 512, dtype=torch.bfloat16)
+od = TensorDescriptor(out, [4096, 512], [512, 1], [64, 512], layout)
 fn = k._tree_verify_hopper_kernel
 names = list(fn.arg_names)
-args = dict(q_ptr=kv, kn_desc=kn, kr_desc=kr, block_table_ptr=torch.zeros(1, dtype=torch.int32),
+args = dict(qn_desc=qn, qr_desc=qr, out_desc=od, kn_desc=kn, kr_desc=kr, block_table_ptr=torch.zeros(1, dtype=torch.int32),
             prefix_ptr=torch.zeros(1, dtype=torch.int32), num_nodes_ptr=torch.zeros(1, dtype=torch.int32),
             vis_ptr=torch.zeros(1, dtype=torch.int64), out_ptr=kv, lse_ptr=torch.zeros(1))
-consts = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows)
+consts = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=2)
 consts.update(__import__("json").loads(sys.argv[2]) if len(sys.argv) > 2 else {})
 signature, constexprs = {}, {}
 for name in names:

@@ -66,3 +66,18 @@ def test_backend_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="the hopper backend cannot run here: it needs a CUDA device"):
             tree_verify_mla(*_inputs(), 0.1, backend="hopper")
+
+
+@pytest.mark.cuda
+def test_hopper_backend_refuses_what_tma_cannot_read():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the hopper backend needs an sm_90 GPU")
+    args = _inputs()
+    q = args[0]
+    args[0] = torch.empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype, device=q.device).transpose(1, 2)
+    args[0].copy_(q)  # same values, not contiguous
+    with pytest.raises(ValueError, match="needs a contiguous q"):
+        tree_verify_mla(*args, 0.1, backend="hopper")
+    want, _ = tree_verify_mla(q, *args[1:], 0.1)
+    got, _ = tree_verify_mla(*args, 0.1)  # auto falls back to the triton kernel
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -27,12 +27,20 @@ def _multiprocessors(device: torch.device) -> int:
     return 8  # interpreter: any small number exercises the split path
 
 
-def choose_num_splits(batch: int, rows: int, max_keys: int, device: torch.device) -> int:
-    """Split the key range when row tiles alone cannot fill the GPU (about two programs per
-    multiprocessor), keeping at least MIN_KEYS_PER_SPLIT keys per split. From shapes only."""
-    tiles = batch * triton.cdiv(rows, BLOCK_M)
-    want = triton.cdiv(2 * _multiprocessors(device), max(tiles, 1))
-    return max(1, min(want, MAX_SPLITS, max_keys // MIN_KEYS_PER_SPLIT))
+def choose_num_splits(batch: int, rows: int, max_keys: int, device: torch.device, backend: str = "triton") -> int:
+    """Split the key range when row tiles alone cannot fill the GPU. From shapes only.
+
+    triton: about two programs per multiprocessor, at least MIN_KEYS_PER_SPLIT keys per split.
+    hopper: one program fills a multiprocessor (its shared memory and registers), so split only
+    while the programs still fit in one wave, at least one KV tile per split (measured on the
+    H200: dev/split_sweep.py; a second wave costs more than the split saves).
+    """
+    tiles = max(batch * triton.cdiv(rows, BLOCK_M), 1)
+    if backend == "hopper":
+        want, min_keys = _multiprocessors(device) // tiles, BLOCK_N
+    else:
+        want, min_keys = triton.cdiv(2 * _multiprocessors(device), tiles), MIN_KEYS_PER_SPLIT
+    return max(1, min(want, MAX_SPLITS, max_keys // min_keys))
 
 
 def _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility) -> None:
@@ -103,13 +111,15 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
         return f"it needs a power-of-two page size >= 8, got {page_size}"
     if kv_cache.stride(1) != kv_cache.shape[2] or kv_cache.stride(0) != page_size * kv_cache.shape[2]:
         return "it needs a contiguous kv_cache (read by TMA)"
-    if kv_cache.data_ptr() % 16:
-        return "it needs a 16-byte aligned kv_cache"
+    if not q.is_contiguous():
+        return "it needs a contiguous q (read by TMA)"
+    if kv_cache.data_ptr() % 16 or q.data_ptr() % 16:
+        return "it needs 16-byte aligned q and kv_cache"
     return None
 
 
 def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
-                   softmax_scale, num_splits, **flags) -> None:
+                   softmax_scale, num_splits) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -117,23 +127,33 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
 
     batch, rows, heads, dim = q.shape
     page_size = kv_cache.shape[1]
-    page_rows = min(page_size, BLOCK_N)  # one TMA copy per page-sized run of a KV tile
-    entries = kv_cache.view(-1, dim)
     layout = gl.NVMMASharedLayout(128, 16)
-    latent = TensorDescriptor(entries, [entries.shape[0], VALUE_DIM], [dim, 1], [page_rows, VALUE_DIM], layout)
-    rope = TensorDescriptor(entries[:, VALUE_DIM:], [entries.shape[0], dim - VALUE_DIM], [dim, 1],
-                            [page_rows, dim - VALUE_DIM], layout)
-    flags.setdefault("SMEM_EPILOGUE", num_splits == 1)  # the output tile is q's dtype: stage it in smem
+
+    def split_latent_rope(t: torch.Tensor, box_rows: int):
+        """TMA descriptors of a [R, 576] matrix's latent and rope columns, boxes of box_rows rows."""
+        return (TensorDescriptor(t, [t.shape[0], VALUE_DIM], [dim, 1], [box_rows, VALUE_DIM], layout),
+                TensorDescriptor(t[:, VALUE_DIM:], [t.shape[0], dim - VALUE_DIM], [dim, 1],
+                                 [box_rows, dim - VALUE_DIM], layout))
+
+    page_rows = min(page_size, BLOCK_N)  # one TMA copy per page-sized run of a KV tile
+    kn, kr = split_latent_rope(kv_cache.view(-1, dim), page_rows)
+    qn, qr = split_latent_rope(q.view(-1, dim), BLOCK_M)
+    if num_splits > 1:
+        epilogue, out_desc = 0, qn  # float32 partials, stored directly (out_desc unused)
+    elif (rows * heads) % BLOCK_M == 0:  # whole row tiles: a TMA store cannot spill into the next request
+        flat = part.view(-1, VALUE_DIM)
+        epilogue, out_desc = 2, TensorDescriptor(flat, list(flat.shape), [VALUE_DIM, 1], [BLOCK_M, VALUE_DIM], layout)
+    else:
+        epilogue, out_desc = 1, qn
     grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
     _tree_verify_hopper_kernel[grid](
-        q, latent, rope, block_table, prefix_lens, num_nodes, visibility,
+        qn, qr, kn, kr, out_desc, block_table, prefix_lens, num_nodes, visibility,
         part, part_lse,
-        q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0), visibility.stride(0), visibility.stride(1),
         *part.stride()[:4], *part_lse.stride(),
-        softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, entries.shape[0],
+        softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, kv_cache.shape[0] * page_size,
         D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
-        num_warps=8, **flags,
+        EPILOGUE=epilogue, num_warps=8,
     )
 
 
@@ -186,7 +206,8 @@ def tree_verify_mla(
     if check:
         _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, rows * heads, block_table.shape[1] * kv_cache.shape[1], q.device)
+        num_splits = choose_num_splits(batch, rows * heads, block_table.shape[1] * kv_cache.shape[1], q.device,
+                                       "hopper" if use_hopper else "triton")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if out is None:

@@ -10,10 +10,13 @@ split-KV merged by log-sum-exp), written one level lower so that no tensor-core 
   latent columns 0..255 or 256..511), so the [64, 512] float32 accumulator costs 128 registers
   per thread.
 - KV tiles arrive by TMA (one copy per page-sized block of rows, located through the block
-  table) into a two-stage ring, so tile i + 1 loads while tile i is computed. Q stays in shared
-  memory as the A operand.
-Rows of the last tile past the sequence (stale slots of its page) are zeroed before use, so
-garbage there, NaN included, never reaches the output.
+  table) into a two-stage ring, so tile i + 1 loads while tile i is computed. Q arrives by TMA
+  too, while the first KV tiles load, and stays in shared memory as the A operand.
+- The output tile leaves through shared memory (a TMA store when whole 64-row tiles fit the
+  request, else 16-byte stores); split-KV partials (float32) are stored directly.
+Rows of the last tile past the sequence (stale slots of its page) are zeroed before the P.V
+product, so garbage there, NaN included, never reaches the output. Q rows past a request's
+valid rows (padding, possibly NaN, or the next request's rows) only ever produce masked scores.
 """
 
 from __future__ import annotations
@@ -52,18 +55,18 @@ def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, D_V: gl.constexpr, layout
 
 @gluon.jit
 def _tree_verify_hopper_kernel(
-    q_ptr, kn_desc, kr_desc, block_table_ptr, prefix_ptr, num_nodes_ptr, vis_ptr,
+    qn_desc, qr_desc, kn_desc, kr_desc, out_desc, block_table_ptr, prefix_ptr, num_nodes_ptr, vis_ptr,
     out_ptr, lse_ptr,
-    stride_qb, stride_qn, stride_qh,
     stride_btb, stride_visb, stride_visn,
     stride_ob, stride_on, stride_oh, stride_os,
     stride_lb, stride_ln, stride_lh, stride_ls,
     qk_scale, rows_per_req, heads, page_size, num_splits, past_end,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr,
-    EARLY_TMA: gl.constexpr = True, SMEM_EPILOGUE: gl.constexpr = False, PROBE: gl.constexpr = 0,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, EPILOGUE: gl.constexpr,
 ):
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    """EPILOGUE: 0 = direct float32 partial store (split-KV), 1 = through shared memory with
+    16-byte stores, 2 = through shared memory with a TMA store (rows_per_req % BLOCK_M == 0)."""
+    dtype: gl.constexpr = kn_desc.dtype
     # Warpgroup w computes S[:, w * BLOCK_N / 2 ...] and O[:, w * D_V / 2 ...].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_V // 2, 16])
@@ -82,43 +85,29 @@ def _tree_verify_hopper_kernel(
 
     kn_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], kn_desc.layout)
     kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], kr_desc.layout)
-    qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], smem_layout)
-    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], smem_layout)
+    qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], qn_desc.layout)
+    qr_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], qr_desc.layout)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], smem_layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())  # KV stages, Q
+    for st in gl.static_range(STAGES + 1):
         mbarrier.init(bars.index(st), count=1)
     fence_async_shared()
     gl.thread_barrier()
 
-    # This split's key range, in whole KV tiles.
+    # This split's key range, in whole KV tiles; Q and the first KV tiles load together.
     chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     k_start = split * chunk
     k_end = gl.minimum(k_start + chunk, kv_len)
     n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
-    if EARLY_TMA:  # the first KV tiles load while Q is staged
-        for st in gl.static_range(STAGES):
-            if st < n_tiles:
-                _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
-                            k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
-
-    # Q tile -> shared memory (the A operand of S), padding rows as zeros.
-    io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
-    io_ok = (io_rows < rows_per_req) & (io_rows // heads < n_valid)
-    q_row = q_ptr + b * stride_qb + (io_rows // heads)[:, None] * stride_qn + (io_rows % heads)[:, None] * stride_qh
-    cols_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
-    cols_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, io_layout))
-    if PROBE == 2:
-        io_ok = io_ok & (io_rows < 0)
-    qn_smem.store(gl.load(q_row + cols_v[None, :], mask=io_ok[:, None], other=0.0))
-    qr_smem.store(gl.load(q_row + D_V + cols_r[None, :], mask=io_ok[:, None], other=0.0))
-    fence_async_shared()
-    gl.thread_barrier()
-    if EARLY_TMA == 0:
-        for st in gl.static_range(STAGES):
-            if st < n_tiles:
-                _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
-                            k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+    q_bar = bars.index(STAGES)
+    q_row = (b * rows_per_req + pid_m * BLOCK_M).to(gl.int32)
+    mbarrier.expect(q_bar, BLOCK_M * (D_V + D_ROPE) * 2)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, qn_smem)
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, qr_smem)
+    for st in gl.static_range(STAGES):
+        if st < n_tiles:
+            _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
+                        k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
 
     rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
     node = rows // heads
@@ -127,31 +116,29 @@ def _tree_verify_hopper_kernel(
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, D_V], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
     for i in range(n_tiles):
         stage = i % STAGES
         k0 = k_start + i * BLOCK_N
         kn = kn_smem.index(stage)
         kr = kr_smem.index(stage)
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        if k0 + BLOCK_N > k_end:  # last tile: its page's slots past the end hold stale values
-            if PROBE != 4:
-                _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
-                fence_async_shared()
-                gl.thread_barrier()
         s = warpgroup_mma(qn_smem, kn.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), is_async=True)
         s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
-        # The mask is built while the tensor cores run; only tiles reaching the tree slots read
-        # the ancestor bitmask.
+        # While the tensor cores run: the mask, and on the last tile the zeroing of the stale rows
+        # past the sequence (V must be finite where P is 0; their scores are masked, so S reading
+        # them mid-update is harmless). The fence and barrier before P.V publish the zeros.
         keys = k0 + offs_n
         allowed = (keys < k_end)[None, :] & row_ok[:, None]
-        if k0 + BLOCK_N > prefix:
-            if PROBE != 3:
-                j = keys - prefix
-                in_tree = (j >= 0)[None, :]
-                word = gl.load(vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
-                               mask=in_tree & allowed, other=0)
-                seen = ((word >> (j & 63)[None, :]) & 1) != 0
-                allowed = allowed & (~in_tree | seen)
+        if k0 + BLOCK_N > prefix:  # the tile reaches the tree slots: apply the ancestor mask
+            j = keys - prefix
+            in_tree = (j >= 0)[None, :]
+            word = gl.load(vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
+                           mask=in_tree & allowed, other=0)
+            seen = ((word >> (j & 63)[None, :]) & 1) != 0
+            allowed = allowed & (~in_tree | seen)
+        if k0 + BLOCK_N > k_end:
+            _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
         s = warpgroup_mma_wait(0, deps=[s])
         s = gl.where(allowed, s * qk_scale, float("-inf"))  # log2 domain
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -162,7 +149,7 @@ def _tree_verify_hopper_kernel(
         m_i = m_new
         p_smem.store(p.to(dtype))
         fence_async_shared()
-        gl.thread_barrier()  # both halves of P are in shared memory
+        gl.thread_barrier()  # both halves of P (and any zeroed V rows) are in shared memory
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
@@ -170,28 +157,31 @@ def _tree_verify_hopper_kernel(
         if i + STAGES < n_tiles:
             _issue_tile(kn_desc, kr_desc, kn, kr, bars.index(stage), bt_row_ptr, k0 + STAGES * BLOCK_N, k_end,
                         page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
-    for st in gl.static_range(STAGES):
+    for st in gl.static_range(STAGES + 1):
         mbarrier.invalidate(bars.index(st))
 
     has_keys = l_i > 0.0
     lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / gl.where(has_keys, l_i, 1.0), 0.0), row_o)
     out = acc * inv_l[:, None]
-    if SMEM_EPILOGUE:  # through shared memory, so each thread stores 16-byte runs of a row
-        staging = kn_smem.index(0)
-        staging.store(out.to(dtype))
+    if EPILOGUE == 2:
+        qn_smem.store(out.to(dtype))  # Q is no longer needed: its buffer stages the output
+        fence_async_shared()
         gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_desc, [q_row, 0], qn_smem)
+        tma.store_wait(0)
+    elif EPILOGUE == 1:
+        qn_smem.store(out.to(dtype))
+        gl.thread_barrier()
+        io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+        cols = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
         io_out = out_ptr + b * stride_ob + (io_rows // heads)[:, None] * stride_on + (io_rows % heads)[:, None] * stride_oh
-        io_mask = io_rows < rows_per_req
-        if PROBE == 1:
-            io_mask = io_rows < rows_per_req - 1_000_000_000
-        gl.store(io_out + split * stride_os + cols_v[None, :], staging.load(io_layout), mask=io_mask[:, None])
+        gl.store(io_out + cols[None, :], qn_smem.load(io_layout), mask=(io_rows < rows_per_req)[:, None])
     else:
         rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
         cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
         o_row = out_ptr + b * stride_ob + (rows_o // heads)[:, None] * stride_on + (rows_o % heads)[:, None] * stride_oh
-        if PROBE != 1:
-            gl.store(o_row + split * stride_os + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=(rows_o < rows_per_req)[:, None])
+        gl.store(o_row + split * stride_os + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(rows_o < rows_per_req)[:, None])
     l_ptrs = lse_ptr + b * stride_lb + node * stride_ln + (rows % heads) * stride_lh + split * stride_ls
     gl.store(l_ptrs, lse, mask=rows < rows_per_req)

@@ -119,7 +119,8 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
 
 
 def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
-                   softmax_scale, num_splits) -> None:
+                   softmax_scale, num_splits, epilogue: int | None = None) -> None:
+    """Launch the Gluon kernel; `epilogue` overrides the output path (dev timing only)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -138,13 +139,14 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
     page_rows = min(page_size, BLOCK_N)  # one TMA copy per page-sized run of a KV tile
     kn, kr = split_latent_rope(kv_cache.view(-1, dim), page_rows)
     qn, qr = split_latent_rope(q.view(-1, dim), BLOCK_M)
+    out_desc = qn  # a placeholder where the epilogue does not use it
     if num_splits > 1:
-        epilogue, out_desc = 0, qn  # float32 partials, stored directly (out_desc unused)
-    elif (rows * heads) % BLOCK_M == 0:  # whole row tiles: a TMA store cannot spill into the next request
+        epilogue = 0  # float32 partials, stored directly
+    elif epilogue is None:
+        epilogue = 2 if (rows * heads) % BLOCK_M == 0 else 1  # whole row tiles: TMA cannot spill into the next request
+    if epilogue == 2:
         flat = part.view(-1, VALUE_DIM)
-        epilogue, out_desc = 2, TensorDescriptor(flat, list(flat.shape), [VALUE_DIM, 1], [BLOCK_M, VALUE_DIM], layout)
-    else:
-        epilogue, out_desc = 1, qn
+        out_desc = TensorDescriptor(flat, list(flat.shape), [VALUE_DIM, 1], [BLOCK_M, VALUE_DIM], layout)
     grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
     _tree_verify_hopper_kernel[grid](
         qn, qr, kn, kr, out_desc, block_table, prefix_lens, num_nodes, visibility,

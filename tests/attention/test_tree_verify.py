@@ -62,10 +62,11 @@ def test_split_kv_matches(num_splits, kernel_device, attention_backend):
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "heads,prefixes,rows,page",
-    [(64, [4096, 1, 777], 65, 64), (128, [300, 2000], 65, 16), (64, [33, 65], 257, 64), (16, [32768], 16, 64)],
+    [(64, [4096, 1, 777], 65, 64), (128, [300, 2000], 65, 16), (64, [33, 65], 257, 64), (16, [32768], 16, 64),
+     (16, [0, 3, 64, 1, 200] * 60, 5, 16)],  # 600 one-tile work items: more than a program per SM each
 )
 def test_large_shapes_on_gpu(heads, prefixes, rows, page, attention_backend):
-    tree_rows = [rows - i for i in range(len(prefixes))]
+    tree_rows = [rows - i % rows for i in range(len(prefixes))]
     case = Case(heads=heads, prefixes=prefixes, tree_rows=tree_rows, rows=rows, page_size=page)
     _run_and_compare(case, "cuda", attention_backend)
 

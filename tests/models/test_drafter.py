@@ -117,3 +117,26 @@ def test_context_capacity_is_checked():
     m.append_context(cache, torch.zeros(1, 3, 128), torch.tensor([3]))
     with pytest.raises(ValueError, match="capacity 4 exceeded"):
         m.append_context(cache, torch.zeros(1, 2, 128), torch.tensor([1]))
+
+
+@torch.no_grad()
+def test_draft_logits_put_the_bonus_in_slot_0(tmp_path):
+    """End to end from the target: features of the layers in target_layer_ids, the block
+    [bonus, mask, mask, mask] with the bonus in slot 0, the target's lm_head over slots 1..3."""
+    save_tiny(tmp_path, tiny_config())
+    target = load_target(tmp_path, dtype=torch.float32)
+    m = _random_drafter(seed=3)
+    prompt = torch.randint(0, 95, (2, 7), generator=torch.Generator().manual_seed(4))
+    _, hidden = target(prompt, hidden_layers=m.cfg.target_layer_ids)
+    feats = torch.cat(hidden, dim=-1)  # [2, 7, 2 * hidden], layers in target_layer_ids order
+    cache = m.new_cache(2, 16)
+    m.append_context(cache, feats, torch.tensor([7, 7]))
+    bonus = torch.tensor([5, 17])
+    got = m.draft_logits(target, bonus, cache)
+    assert got.shape == (2, 3, 96)
+    for r in range(2):
+        block = target.embed_tokens(torch.tensor([int(bonus[r]), 95, 95, 95]))
+        want = target.lm_head(dflash_reference(m, feats[r], block)[1:].float())
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+    moved = m.draft_logits(target, torch.tensor([17, 5]), cache)  # the bonus matters
+    assert not torch.allclose(moved[0], got[0])

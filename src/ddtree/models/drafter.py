@@ -183,6 +183,15 @@ class Drafter(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
+    def draft_logits(self, target, bonus: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+        """bonus int64 [B] (each request's carried-over token) -> float32 [B, block_size - 1, vocab]:
+        the block [bonus, mask x (block_size - 1)] embedded by the target, the bonus in slot 0, and
+        the target's lm_head over slots 1.., which predict the next block_size - 1 tokens."""
+        block = torch.full((bonus.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
+        block[:, 0] = bonus
+        hidden = self(target.embed_tokens(block), cache)
+        return target.lm_head(hidden[:, 1:]).float()
+
 
 def check_pair(target_cfg, drafter_cfg: DrafterConfig) -> None:
     """A drafter shares the target's embedding and lm_head and reads its layers' outputs: refuse a

@@ -121,7 +121,7 @@ def main() -> None:
     table = markdown_table(
         ["B", "prefix", "N", "ours (us)", "TFLOP/s", "GB/s", "triton kernel (us)", "SDPA (us)", "SDPA TFLOP/s", "vs SDPA", "floor (us)", "bound", "x floor"],
         [[r["B"], r["prefix"], r["N"], f"{r['ours_us']:.1f}", f"{r['ours_TFLOPs']:.0f}", f"{r['ours_GBps']:.0f}",
-          f"{r['triton_us']:.1f}", fmt(r["sdpa_us"], ".1f"), fmt(r["sdpa_TFLOPs"], ".0f"), fmt(r["speedup_vs_sdpa"], ".1f"),
+          f"{r['triton_us']:.1f}", fmt(r["sdpa_us"], ".1f"), fmt(r["sdpa_TFLOPs"], ".0f"), fmt(r["speedup_vs_sdpa"], ".2f"),
           f"{r['floor_us']:.1f}", r["bound"], f"{r['ours_x_floor']:.2f}"] for r in results],
     )
     header = (f"H = {HEADS}, bf16, page {PAGE}. Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, "

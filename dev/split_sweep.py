@@ -3,7 +3,6 @@
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import time_graph_us  # noqa: E402

@@ -1,0 +1,71 @@
+"""Compile the Gluon Hopper kernel for sm_90 without a GPU (Triton ships ptxas and cuobjdump) and
+report what the hardware would get: shared memory, registers, spills and the tensor-core mix."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import native_specialize_impl
+
+from ddtree.attention import tree_verify_hopper
+
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
+    """{"shared": bytes, "registers": n, "spill_bytes": n, "hgmma": Counter of SASS HGMMA shapes,
+    "ttgir": text} for one configuration of _tree_verify_hopper_kernel, compiled for sm_90a."""
+    target = GPUTarget("cuda", 90, 32)
+    backend = CUDABackend(target)
+    layout = gl.NVMMASharedLayout(128, 16)
+    rows = torch.zeros(4096, 576, dtype=torch.bfloat16)  # stands in for q and the cache
+    out = torch.zeros(4096, 512, dtype=torch.bfloat16)
+
+    def descriptors(box_rows):
+        return (TensorDescriptor(rows, [4096, 512], [576, 1], [box_rows, 512], layout),
+                TensorDescriptor(rows[:, 512:], [4096, 64], [576, 1], [box_rows, 64], layout))
+
+    (kn, kr), (qn, qr) = descriptors(page_rows), descriptors(64)
+    tensors = dict(qn_desc=qn, qr_desc=qr, kn_desc=kn, kr_desc=kr,
+                   out_desc=TensorDescriptor(out, [4096, 512], [512, 1], [64, 512], layout),
+                   block_table_ptr=torch.zeros(1, dtype=torch.int32), prefix_ptr=torch.zeros(1, dtype=torch.int32),
+                   num_nodes_ptr=torch.zeros(1, dtype=torch.int32), vis_ptr=torch.zeros(1, dtype=torch.int64),
+                   out_ptr=out, lse_ptr=torch.zeros(1))
+    constants = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=epilogue)
+    fn = tree_verify_hopper._tree_verify_hopper_kernel
+    signature, constexprs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+        elif name in tensors:
+            signature[name] = native_specialize_impl(backend, tensors[name], False, True, True)[0]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    compiled = triton.compile(GluonASTSource(fn, signature, constexprs), target=target, options={"num_warps": 8})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        info = subprocess.run([str(NVIDIA_BIN / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)],
+                              capture_output=True, text=True, check=True).stderr
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+    return {
+        "shared": compiled.metadata.shared,
+        "registers": int(re.search(r"Used (\d+) registers", info)[1]),
+        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)),
+        "hgmma": Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass)),
+        "ttgir": compiled.asm["ttgir"],
+    }

@@ -200,10 +200,12 @@ def tree_verify_mla(
     _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    why_not = hopper_unsupported(q, kv_cache)
-    if backend == "hopper" and why_not:
-        raise ValueError(f"the hopper backend cannot run here: {why_not}")
-    use_hopper = backend == "hopper" or (backend == "auto" and why_not is None)
+    use_hopper = False
+    if backend != "triton":
+        why_not = hopper_unsupported(q, kv_cache)
+        if backend == "hopper" and why_not:
+            raise ValueError(f"the hopper backend cannot run here: {why_not}")
+        use_hopper = why_not is None
     batch, rows, heads, dim = q.shape
     if check:
         _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows)

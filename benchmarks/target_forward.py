@@ -34,21 +34,15 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 PAGE = 64
 
 
-def weight_counts(model) -> tuple[int, int, int]:
-    """(dense parameters read per forward, parameters per routed expert, routed experts per MoE layer x layers)."""
-    dense = expert = routed = 0
-    for name, p in model.named_parameters():
-        if name.endswith((".w_gate_up", ".w_down")):
-            expert += p.numel() // p.shape[0]
-            routed += p.shape[0] if name.endswith(".w_down") else 0
-        elif not name.startswith("embed_tokens"):  # the embedding is gathered, not read whole
-            dense += p.numel()
-    moe_layers = max(sum(1 for n, _ in model.named_parameters() if n.endswith(".w_down")), 1)
-    return dense, expert // moe_layers, routed
+def routed_expert_counts(cfg: TargetConfig) -> tuple[int, int]:
+    """(parameters per routed expert, routed experts over all MoE layers)."""
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size, moe_layers * cfg.n_routed_experts
 
 
-def floor_us(model, cfg: TargetConfig, batch: int, rows: int, prefix: int, ceilings: dict) -> tuple[float, str]:
-    dense, per_expert, routed = weight_counts(model)
+def floor_us(cfg: TargetConfig, dense: int, batch: int, rows: int, prefix: int, ceilings: dict) -> tuple[float, str]:
+    """dense: parameters read whole per forward (all but the embedding and the routed experts)."""
+    per_expert, routed = routed_expert_counts(cfg)
     tokens = batch * rows
     experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = routed * (1 - (1 - k / experts) ** tokens) if experts else 0  # expected, uniform routing
@@ -103,6 +97,8 @@ def main() -> None:
     ceilings = measure_ceilings()
     model = random_target(cfg, dtype=torch.bfloat16, device="cuda")
     params = sum(p.numel() for p in model.parameters())
+    per_expert, routed = routed_expert_counts(cfg)
+    dense = params - model.embed_tokens.weight.numel() - per_expert * routed  # the embedding is gathered, not read
     print(f"{args.config}: {cfg.num_hidden_layers} layers, {params / 1e9:.2f} B parameters", ceilings, flush=True)
     results = []
     for batch in args.batches:
@@ -111,7 +107,7 @@ def main() -> None:
             forward = lambda: model.forward_paged(ids, meta, caches)  # noqa: E731
             graph = time_graph_us(forward, launches_per_graph=2, trials=10)
             eager = time_events_us(forward, trials=10, warmup=2)
-            floor, bound = floor_us(model, cfg, batch, rows, args.prefix, ceilings)
+            floor, bound = floor_us(cfg, dense, batch, rows, args.prefix, ceilings)
             row = {"B": batch, "N": rows, "prefix": args.prefix, "graph_us": graph, "eager_us": eager,
                    "floor_us": floor, "bound": bound, "graph_x_floor": graph / floor, "eager_over_graph": eager / graph}
             print(row, flush=True)

@@ -147,14 +147,16 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
     if epilogue == 2:
         flat = part.view(-1, VALUE_DIM)
         out_desc = TensorDescriptor(flat, list(flat.shape), [VALUE_DIM, 1], [BLOCK_M, VALUE_DIM], layout)
-    grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
+    n_row_tiles = triton.cdiv(rows * heads, BLOCK_M)
+    n_items = n_row_tiles * batch * num_splits
+    grid = (min(n_items, _multiprocessors(q.device)),)  # persistent: one program per multiprocessor
     _tree_verify_hopper_kernel[grid](
         qn, qr, kn, kr, out_desc, block_table, prefix_lens, num_nodes, visibility,
         part, part_lse,
         block_table.stride(0), visibility.stride(0), visibility.stride(1),
         *part.stride()[:4], *part_lse.stride(),
         softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, kv_cache.shape[0] * page_size,
-        D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
+        n_row_tiles, n_items, D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
         EPILOGUE=epilogue, num_warps=8,
     )
 

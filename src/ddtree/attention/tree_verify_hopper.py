@@ -1,7 +1,8 @@
 """Tree-verify MLA attention for Hopper (sm_90) in Gluon: TMA-fed KV tiles, warpgroup MMAs.
 
-Same contract and tiling as tree_verify.py (a 64-row tile of packed (node, head) rows per program,
-split-KV merged by log-sum-exp), written one level lower so that no tensor-core work is repeated:
+Same contract and tiling as tree_verify.py (a 64-row tile of packed (node, head) rows is one work
+item, split-KV merged by log-sum-exp), written one level lower so that no tensor-core work is
+repeated and little time is spent outside the tensor cores:
 
 - S = Q K^T is split by key columns between the two warpgroups (each computes 64 x BLOCK_N / 2),
   where plain Triton gives a product that feeds another product to every warp, so both
@@ -12,6 +13,9 @@ split-KV merged by log-sum-exp), written one level lower so that no tensor-core 
 - KV tiles arrive by TMA (one copy per page-sized block of rows, located through the block
   table) into a two-stage ring, so tile i + 1 loads while tile i is computed. Q arrives by TMA
   too, while the first KV tiles load, and stays in shared memory as the A operand.
+- Persistent: one program per multiprocessor (one fills it: 225 KB of shared memory, 255
+  registers per thread) walks work items; the next item's first KV tiles load during this
+  item's epilogue, and its Q right after.
 - The output tile leaves through shared memory (a TMA store when whole 64-row tiles fit the
   request, else 16-byte stores); split-KV partials (float32) are stored directly.
 Rows of the last tile past the sequence (stale slots of its page) are zeroed before the P.V
@@ -54,13 +58,51 @@ def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, D_V: gl.constexpr, layout
 
 
 @gluon.jit
+def _work_item(item, n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr, stride_btb,
+               rows_per_req, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Item -> its row tile, request, key range [k_start, k_end) and tile count. Items of one
+    request are consecutive, so the programs running together share its KV tiles in L2."""
+    pid_m = item % n_row_tiles
+    split = (item // n_row_tiles) % num_splits
+    b = (item // (n_row_tiles * num_splits)).to(gl.int64)
+    prefix = gl.load(prefix_ptr + b)
+    n_valid = gl.load(num_nodes_ptr + b).to(gl.int32)
+    kv_len = prefix + n_valid  # tree slots past num_nodes may be stale: never read
+    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    k_start = split * chunk
+    k_end = gl.minimum(k_start + chunk, kv_len)
+    n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
+    q_row = (b * rows_per_req + pid_m * BLOCK_M).to(gl.int32)
+    return pid_m, split, b, prefix, n_valid, k_start, k_end, n_tiles, block_table_ptr + b * stride_btb, q_row
+
+
+@gluon.jit
+def _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, q_row, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    mbarrier.expect(q_bar, BLOCK_M * D * 2)
+    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, qn_smem)
+    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, qr_smem)
+
+
+@gluon.jit
+def _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot, bt_row_ptr, k_start, k_end, n_tiles,
+                       page_size, past_end, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr,
+                       D_V: gl.constexpr, D_ROPE: gl.constexpr, STAGES: gl.constexpr):
+    """An item's first KV tiles into the ring, from ring position `slot` on."""
+    for t in gl.static_range(STAGES):
+        if t < n_tiles:
+            stage = (slot + t) % STAGES
+            _issue_tile(kn_desc, kr_desc, kn_smem.index(stage), kr_smem.index(stage), bars.index(stage), bt_row_ptr,
+                        k_start + t * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+
+
+@gluon.jit
 def _tree_verify_hopper_kernel(
     qn_desc, qr_desc, kn_desc, kr_desc, out_desc, block_table_ptr, prefix_ptr, num_nodes_ptr, vis_ptr,
     out_ptr, lse_ptr,
     stride_btb, stride_visb, stride_visn,
     stride_ob, stride_on, stride_oh, stride_os,
     stride_lb, stride_ln, stride_lh, stride_ls,
-    qk_scale, rows_per_req, heads, page_size, num_splits, past_end,
+    qk_scale, rows_per_req, heads, page_size, num_splits, past_end, n_row_tiles, n_items,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, EPILOGUE: gl.constexpr,
 ):
@@ -75,14 +117,6 @@ def _tree_verify_hopper_kernel(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    pid_m = gl.program_id(0)
-    b = gl.program_id(1).to(gl.int64)
-    split = gl.program_id(2)
-    prefix = gl.load(prefix_ptr + b)
-    n_valid = gl.load(num_nodes_ptr + b).to(gl.int32)
-    kv_len = prefix + n_valid  # tree slots past num_nodes may be stale: never read
-    bt_row_ptr = block_table_ptr + b * stride_btb
-
     kn_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_V], kn_desc.layout)
     kr_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], kr_desc.layout)
     qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D_V], qn_desc.layout)
@@ -93,95 +127,108 @@ def _tree_verify_hopper_kernel(
         mbarrier.init(bars.index(st), count=1)
     fence_async_shared()
     gl.thread_barrier()
-
-    # This split's key range, in whole KV tiles; Q and the first KV tiles load together.
-    chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    k_start = split * chunk
-    k_end = gl.minimum(k_start + chunk, kv_len)
-    n_tiles = gl.cdiv(gl.maximum(k_end - k_start, 0), BLOCK_N)
     q_bar = bars.index(STAGES)
-    q_row = (b * rows_per_req + pid_m * BLOCK_M).to(gl.int32)
-    mbarrier.expect(q_bar, BLOCK_M * (D_V + D_ROPE) * 2)
-    tma.async_copy_global_to_shared(qn_desc, [q_row, 0], q_bar, qn_smem)
-    tma.async_copy_global_to_shared(qr_desc, [q_row, 0], q_bar, qr_smem)
-    for st in gl.static_range(STAGES):
-        if st < n_tiles:
-            _issue_tile(kn_desc, kr_desc, kn_smem.index(st), kr_smem.index(st), bars.index(st), bt_row_ptr,
-                        k_start + st * BLOCK_N, k_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
 
-    rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-    node = rows // heads
-    row_ok = (rows < rows_per_req) & (node < n_valid)
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+    _, _, _, _, _, k_start, k_end, n_tiles, bt_row_ptr, q_row = _work_item(
+        first, n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr, stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
+    _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, q_row, BLOCK_M, D_V + D_ROPE)
+    _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, 0, bt_row_ptr, k_start, k_end, n_tiles,
+                       page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE, STAGES)
+    slot = 0  # ring position of this item's first KV tile (the ring runs on across items)
+    done = 0  # items finished by this program: the phase of the Q barrier
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_M, D_V], gl.float32, o_layout)
-    mbarrier.wait(q_bar, 0)
-    for i in range(n_tiles):
-        stage = i % STAGES
-        k0 = k_start + i * BLOCK_N
-        kn = kn_smem.index(stage)
-        kr = kr_smem.index(stage)
-        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        s = warpgroup_mma(qn_smem, kn.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), is_async=True)
-        s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
-        # While the tensor cores run: the mask, and on the last tile the zeroing of the stale rows
-        # past the sequence (V must be finite where P is 0; their scores are masked, so S reading
-        # them mid-update is harmless). The fence and barrier before P.V publish the zeros.
-        keys = k0 + offs_n
-        allowed = (keys < k_end)[None, :] & row_ok[:, None]
-        if k0 + BLOCK_N > prefix:  # the tile reaches the tree slots: apply the ancestor mask
-            j = keys - prefix
-            in_tree = (j >= 0)[None, :]
-            word = gl.load(vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
-                           mask=in_tree & allowed, other=0)
-            seen = ((word >> (j & 63)[None, :]) & 1) != 0
-            allowed = allowed & (~in_tree | seen)
-        if k0 + BLOCK_N > k_end:
-            _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
-        s = warpgroup_mma_wait(0, deps=[s])
-        s = gl.where(allowed, s * qk_scale, float("-inf"))  # log2 domain
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # both halves of P (and any zeroed V rows) are in shared memory
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        gl.thread_barrier()  # every warp is done with this stage and with P
-        if i + STAGES < n_tiles:
-            _issue_tile(kn_desc, kr_desc, kn, kr, bars.index(stage), bt_row_ptr, k0 + STAGES * BLOCK_N, k_end,
-                        page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+    for item in range(first, n_items, step):
+        pid_m, split, b, prefix, n_valid, k_start, k_end, n_tiles, bt_row_ptr, q_row = _work_item(
+            item, n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr, stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+        node = rows // heads
+        row_ok = (rows < rows_per_req) & (node < n_valid)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+        acc = gl.zeros([BLOCK_M, D_V], gl.float32, o_layout)
+        mbarrier.wait(q_bar, done & 1)
+        for i in range(n_tiles):
+            stage = (slot + i) % STAGES
+            k0 = k_start + i * BLOCK_N
+            kn = kn_smem.index(stage)
+            kr = kr_smem.index(stage)
+            mbarrier.wait(bars.index(stage), ((slot + i) // STAGES) & 1)
+            s = warpgroup_mma(qn_smem, kn.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), is_async=True)
+            s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s, is_async=True)
+            # While the tensor cores run: the mask, and on the last tile the zeroing of the stale
+            # rows past the sequence (V must be finite where P is 0; their scores are masked, so S
+            # reading them mid-update is harmless). The fence and barrier before P.V publish them.
+            keys = k0 + offs_n
+            allowed = (keys < k_end)[None, :] & row_ok[:, None]
+            if k0 + BLOCK_N > prefix:  # the tile reaches the tree slots: apply the ancestor mask
+                j = keys - prefix
+                in_tree = (j >= 0)[None, :]
+                word = gl.load(vis_ptr + b * stride_visb + node[:, None] * stride_visn + (j >> 6)[None, :],
+                               mask=in_tree & allowed, other=0)
+                seen = ((word >> (j & 63)[None, :]) & 1) != 0
+                allowed = allowed & (~in_tree | seen)
+            if k0 + BLOCK_N > k_end:
+                _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
+            s = warpgroup_mma_wait(0, deps=[s])
+            s = gl.where(allowed, s * qk_scale, float("-inf"))  # log2 domain
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # both halves of P (and any zeroed V rows) are in shared memory
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            gl.thread_barrier()  # every warp is done with this stage and with P
+            if i + STAGES < n_tiles:
+                _issue_tile(kn_desc, kr_desc, kn, kr, bars.index(stage), bt_row_ptr, k0 + STAGES * BLOCK_N, k_end,
+                            page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+        slot += n_tiles
+        done += 1
+
+        # The next item's first KV tiles load during this epilogue (every stage is free now).
+        next_item = item + step
+        has_next = next_item < n_items
+        _, _, _, _, _, nk_start, nk_end, nn_tiles, nbt_row_ptr, nq_row = _work_item(
+            gl.minimum(next_item, n_items - 1), n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr,
+            stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
+        _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot, nbt_row_ptr, nk_start, nk_end,
+                           gl.where(has_next, nn_tiles, 0), page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE, STAGES)
+
+        has_keys = l_i > 0.0
+        lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+        inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / gl.where(has_keys, l_i, 1.0), 0.0), row_o)
+        out = acc * inv_l[:, None]
+        if EPILOGUE == 2:
+            qn_smem.store(out.to(dtype))  # this item's Q is no longer needed: its buffer stages the output
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(out_desc, [q_row, 0], qn_smem)
+            tma.store_wait(0)
+        elif EPILOGUE == 1:
+            qn_smem.store(out.to(dtype))
+            gl.thread_barrier()
+            io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+            cols = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
+            io_out = out_ptr + b * stride_ob + (io_rows // heads)[:, None] * stride_on + (io_rows % heads)[:, None] * stride_oh
+            gl.store(io_out + cols[None, :], qn_smem.load(io_layout), mask=(io_rows < rows_per_req)[:, None])
+        else:
+            rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
+            cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
+            o_row = out_ptr + b * stride_ob + (rows_o // heads)[:, None] * stride_on + (rows_o % heads)[:, None] * stride_oh
+            gl.store(o_row + split * stride_os + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=(rows_o < rows_per_req)[:, None])
+        l_ptrs = lse_ptr + b * stride_lb + node * stride_ln + (rows % heads) * stride_lh + split * stride_ls
+        gl.store(l_ptrs, lse, mask=rows < rows_per_req)
+        fence_async_shared()  # this item's generic reads / writes of the Q buffer before TMA refills it
+        gl.thread_barrier()
+        if has_next:
+            _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
     for st in gl.static_range(STAGES + 1):
         mbarrier.invalidate(bars.index(st))
-
-    has_keys = l_i > 0.0
-    lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / gl.where(has_keys, l_i, 1.0), 0.0), row_o)
-    out = acc * inv_l[:, None]
-    if EPILOGUE == 2:
-        qn_smem.store(out.to(dtype))  # Q is no longer needed: its buffer stages the output
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(out_desc, [q_row, 0], qn_smem)
-        tma.store_wait(0)
-    elif EPILOGUE == 1:
-        qn_smem.store(out.to(dtype))
-        gl.thread_barrier()
-        io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
-        cols = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
-        io_out = out_ptr + b * stride_ob + (io_rows // heads)[:, None] * stride_on + (io_rows % heads)[:, None] * stride_oh
-        gl.store(io_out + cols[None, :], qn_smem.load(io_layout), mask=(io_rows < rows_per_req)[:, None])
-    else:
-        rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
-        cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
-        o_row = out_ptr + b * stride_ob + (rows_o // heads)[:, None] * stride_on + (rows_o % heads)[:, None] * stride_oh
-        gl.store(o_row + split * stride_os + cols_o[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(rows_o < rows_per_req)[:, None])
-    l_ptrs = lse_ptr + b * stride_lb + node * stride_ln + (rows % heads) * stride_lh + split * stride_ls
-    gl.store(l_ptrs, lse, mask=rows < rows_per_req)

@@ -1,4 +1,4 @@
-"""Hopper kernel epilogues (1: smem + 16-byte stores, 2: smem + TMA store), alternated and
+"""Hopper kernel epilogues (0: direct stores + early next Q, 1: smem + 16-byte stores, 2: smem + TMA store), alternated and
 repeated to see run-to-run spread, at the small-prefix shapes."""
 
 import sys
@@ -12,13 +12,13 @@ from verify_attention import SCALE, make_inputs  # noqa: E402
 
 from ddtree.attention import api  # noqa: E402
 
-for batch, prefix, rows in [(64, 512, 16), (32, 512, 16), (64, 512, 65), (64, 4096, 16)]:
+for batch, prefix, rows in [(64, 512, 16), (32, 512, 16), (64, 512, 65), (8, 512, 16), (1, 512, 65), (64, 4096, 16), (8, 32768, 16)]:
     q, kv, bt, pl, nn, vis, _ = make_inputs(batch, prefix, rows)
     out = torch.empty(batch, rows, 64, 512, dtype=q.dtype, device="cuda")
     lse = torch.empty(batch, rows, 64, device="cuda")
-    res = {1: [], 2: []}
+    res = {0: [], 1: [], 2: []}
     for _ in range(3):
-        for ep in (1, 2):
+        for ep in (0, 1, 2):
             res[ep].append(time_graph_us(
                 lambda: api._launch_hopper(q, kv, bt, pl, nn, vis, out.unsqueeze(3), lse.unsqueeze(3), SCALE, 1, epilogue=ep),
                 launches_per_graph=5, trials=10))

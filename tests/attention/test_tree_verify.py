@@ -5,18 +5,22 @@ import math
 import pytest
 import torch
 
-from ddtree.attention import tree_verify_mla, tree_verify_mla_reference
+from ddtree.attention import api, tree_verify_mla, tree_verify_mla_reference
 
 from .cases import Case, make_inputs
 
 SCALE = 192**-0.5 * 1.2**2  # (qk_nope + qk_rope)^-0.5 * mscale^2, as for Kimi K2
 
 
-def _run_and_compare(case: Case, device: str, backend: str, num_splits=None, tol=1e-2):
+def _run_and_compare(case: Case, device: str, backend: str, num_splits=None, tol=1e-2, launch=None):
+    """`launch(q, kv, bt, pl, nn, vis, out, lse)` replaces the public call when given."""
     q, kv, bt, pl, nn, vis = make_inputs(case, device)
     out = torch.full(q.shape[:3] + (512,), float("nan"), dtype=q.dtype, device=device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=device)
-    tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, num_splits=num_splits, out=(out, lse), backend=backend)
+    if launch is None:
+        tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, num_splits=num_splits, out=(out, lse), backend=backend)
+    else:
+        launch(q, kv, bt, pl, nn, vis, out, lse)
     ref_out, ref_lse = tree_verify_mla_reference(q.cpu(), kv.cpu(), bt.cpu(), pl.cpu(), nn.cpu(), vis.cpu(), SCALE)
     out, lse = out.cpu().double(), lse.cpu().double()
     assert not torch.isnan(out).any(), "NaN in out (unwritten row or a stray read)"
@@ -69,6 +73,24 @@ def test_large_shapes_on_gpu(heads, prefixes, rows, page, attention_backend):
     tree_rows = [rows - i % rows for i in range(len(prefixes))]
     case = Case(heads=heads, prefixes=prefixes, tree_rows=tree_rows, rows=rows, page_size=page)
     _run_and_compare(case, "cuda", attention_backend)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("epilogue", [0, 1, 2])
+@pytest.mark.parametrize("heads,rows", [(64, 16), (16, 9)])  # whole 64-row tiles per request, or not
+def test_every_hopper_epilogue(epilogue, heads, rows, attention_backend):
+    """Each output path of the Hopper kernel (direct stores with the early next-Q load, shared
+    memory + 16-byte stores, shared memory + TMA store), whichever the launcher picks by default."""
+    if attention_backend != "hopper" or (epilogue == 2 and rows * heads % 64):
+        pytest.skip("hopper only; the TMA store needs whole 64-row tiles per request")
+
+    def launch(q, kv, bt, pl, nn, vis, out, lse):
+        api._launch_hopper(q, kv, bt, pl, nn, vis, out.unsqueeze(3), lse.unsqueeze(3), SCALE, 1, epilogue=epilogue)
+
+    prefixes = [0, 1, 63, 64, 65, 700, 3, 130] * 40  # 320 requests: each program walks several items
+    tree_rows = [rows - i % rows for i in range(len(prefixes))]
+    case = Case(heads=heads, prefixes=prefixes, tree_rows=tree_rows, rows=rows, page_size=64, seed=epilogue)
+    _run_and_compare(case, "cuda", attention_backend, launch=launch)
 
 
 def test_scale_is_the_callers():

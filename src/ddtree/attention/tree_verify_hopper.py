@@ -87,7 +87,7 @@ def _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, q_row, BLOCK_M: gl.const
 def _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot, bt_row_ptr, k_start, k_end, n_tiles,
                        page_size, past_end, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr,
                        D_V: gl.constexpr, D_ROPE: gl.constexpr, STAGES: gl.constexpr):
-    """An item's first KV tiles into the ring, from ring position `slot` on."""
+    """An item's KV tiles 0 .. min(n_tiles, STAGES) - 1 into the ring, tile 0 at position `slot`."""
     for t in gl.static_range(STAGES):
         if t < n_tiles:
             stage = (slot + t) % STAGES
@@ -105,9 +105,12 @@ def _tree_verify_hopper_kernel(
     qk_scale, rows_per_req, heads, page_size, num_splits, past_end, n_row_tiles, n_items,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, EPILOGUE: gl.constexpr,
+    EARLY_Q: gl.constexpr,
 ):
     """EPILOGUE: 0 = direct float32 partial store (split-KV), 1 = through shared memory with
-    16-byte stores, 2 = through shared memory with a TMA store (rows_per_req % BLOCK_M == 0)."""
+    16-byte stores, 2 = through shared memory with a TMA store (rows_per_req % BLOCK_M == 0).
+    EARLY_Q (EPILOGUE 0 only, whose output does not pass through the Q buffer): the next item's
+    Q loads as soon as this item's last S product is done, under its last P.V and epilogue."""
     dtype: gl.constexpr = kn_desc.dtype
     # Warpgroup w computes S[:, w * BLOCK_N / 2 ...] and O[:, w * D_V / 2 ...].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
@@ -148,7 +151,21 @@ def _tree_verify_hopper_kernel(
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         acc = gl.zeros([BLOCK_M, D_V], gl.float32, o_layout)
+        # The next item's first KV tiles go into ring positions slot + n_tiles + t as this item's
+        # tiles free them; those this item never uses are free now.
+        next_item = item + step
+        has_next = next_item < n_items
+        _, _, _, _, _, nk_start, nk_end, nn_tiles, nbt_row_ptr, nq_row = _work_item(
+            gl.minimum(next_item, n_items - 1), n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr,
+            stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
+        nn_tiles = gl.where(has_next, nn_tiles, 0)
+        _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot + n_tiles, nbt_row_ptr, nk_start, nk_end,
+                           gl.minimum(nn_tiles, STAGES - n_tiles), page_size, past_end, BLOCK_N, PAGE_ROWS, D_V,
+                           D_ROPE, STAGES)
         mbarrier.wait(q_bar, done & 1)
+        if EARLY_Q:
+            if has_next & (n_tiles == 0):  # no S product here: the Q buffer is free already
+                _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
         for i in range(n_tiles):
             stage = (slot + i) % STAGES
             k0 = k_start + i * BLOCK_N
@@ -182,6 +199,9 @@ def _tree_verify_hopper_kernel(
             p_smem.store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()  # both halves of P (and any zeroed V rows) are in shared memory
+            if EARLY_Q:
+                if has_next & (i == n_tiles - 1):  # both S products are done: Q is free
+                    _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -189,17 +209,13 @@ def _tree_verify_hopper_kernel(
             if i + STAGES < n_tiles:
                 _issue_tile(kn_desc, kr_desc, kn, kr, bars.index(stage), bt_row_ptr, k0 + STAGES * BLOCK_N, k_end,
                             page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
+            else:  # this stage's next ring position holds the next item's tile i + STAGES - n_tiles
+                t = i + STAGES - n_tiles
+                if t < nn_tiles:
+                    _issue_tile(kn_desc, kr_desc, kn, kr, bars.index(stage), nbt_row_ptr, nk_start + t * BLOCK_N,
+                                nk_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
         slot += n_tiles
         done += 1
-
-        # The next item's first KV tiles load during this epilogue (every stage is free now).
-        next_item = item + step
-        has_next = next_item < n_items
-        _, _, _, _, _, nk_start, nk_end, nn_tiles, nbt_row_ptr, nq_row = _work_item(
-            gl.minimum(next_item, n_items - 1), n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr,
-            stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
-        _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot, nbt_row_ptr, nk_start, nk_end,
-                           gl.where(has_next, nn_tiles, 0), page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE, STAGES)
 
         has_keys = l_i > 0.0
         lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
@@ -228,7 +244,8 @@ def _tree_verify_hopper_kernel(
         gl.store(l_ptrs, lse, mask=rows < rows_per_req)
         fence_async_shared()  # this item's generic reads / writes of the Q buffer before TMA refills it
         gl.thread_barrier()
-        if has_next:
-            _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
+        if not EARLY_Q:
+            if has_next:
+                _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
     for st in gl.static_range(STAGES + 1):
         mbarrier.invalidate(bars.index(st))

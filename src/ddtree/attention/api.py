@@ -157,7 +157,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
         *part.stride()[:4], *part_lse.stride(),
         softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, kv_cache.shape[0] * page_size,
         n_row_tiles, n_items, D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
-        EPILOGUE=epilogue, EARLY_Q=epilogue == 0, num_warps=8,
+        EPILOGUE=epilogue, num_warps=8,
     )
 
 

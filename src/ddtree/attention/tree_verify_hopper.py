@@ -14,10 +14,12 @@ repeated and little time is spent outside the tensor cores:
   table) into a two-stage ring, so tile i + 1 loads while tile i is computed. Q arrives by TMA
   too, while the first KV tiles load, and stays in shared memory as the A operand.
 - Persistent: one program per multiprocessor (one fills it: 225 KB of shared memory, 255
-  registers per thread) walks work items; the next item's first KV tiles load during this
-  item's epilogue, and its Q right after.
-- The output tile leaves through shared memory (a TMA store when whole 64-row tiles fit the
-  request, else 16-byte stores); split-KV partials (float32) are stored directly.
+  registers per thread) walks work items. The next item's first KV tile loads as soon as a
+  stage frees up, its Q as soon as this item's last S product is done, so little of the next
+  item's start waits on memory.
+- The output tile leaves through shared memory, staged in the last tile's KV stage (a TMA store
+  when whole 64-row tiles fit the request, else 16-byte stores); split-KV partials (float32) are
+  stored directly.
 Rows of the last tile past the sequence (stale slots of its page) are zeroed before the P.V
 product, so garbage there, NaN included, never reaches the output. Q rows past a request's
 valid rows (padding, possibly NaN, or the next request's rows) only ever produce masked scores.
@@ -105,13 +107,14 @@ def _tree_verify_hopper_kernel(
     qk_scale, rows_per_req, heads, page_size, num_splits, past_end, n_row_tiles, n_items,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, EPILOGUE: gl.constexpr,
-    EARLY_Q: gl.constexpr,
 ):
-    """EPILOGUE: 0 = direct float32 partial store (split-KV), 1 = through shared memory with
-    16-byte stores, 2 = through shared memory with a TMA store (rows_per_req % BLOCK_M == 0).
-    EARLY_Q (EPILOGUE 0 only, whose output does not pass through the Q buffer): the next item's
-    Q loads as soon as this item's last S product is done, under its last P.V and epilogue."""
+    """EPILOGUE: 0 = direct stores (split-KV float32 partials), 1 = staged in shared memory, then
+    16-byte stores, 2 = staged in shared memory, then a TMA store (rows_per_req % BLOCK_M == 0).
+    The staging buffer is the KV stage of the item's last tile, so the next item's last early
+    tile waits for the epilogue, while its Q loads from the end of this item's last S product."""
     dtype: gl.constexpr = kn_desc.dtype
+    # Next-item KV tiles loaded before this item's epilogue (one fewer when it stages in a stage).
+    EARLY_TILES: gl.constexpr = STAGES if EPILOGUE == 0 else STAGES - 1
     # Warpgroup w computes S[:, w * BLOCK_N / 2 ...] and O[:, w * D_V / 2 ...].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_V // 2, 16])
@@ -160,12 +163,11 @@ def _tree_verify_hopper_kernel(
             stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
         nn_tiles = gl.where(has_next, nn_tiles, 0)
         _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot + n_tiles, nbt_row_ptr, nk_start, nk_end,
-                           gl.minimum(nn_tiles, STAGES - n_tiles), page_size, past_end, BLOCK_N, PAGE_ROWS, D_V,
-                           D_ROPE, STAGES)
+                           gl.minimum(gl.minimum(nn_tiles, STAGES - n_tiles), EARLY_TILES), page_size, past_end,
+                           BLOCK_N, PAGE_ROWS, D_V, D_ROPE, STAGES)
         mbarrier.wait(q_bar, done & 1)
-        if EARLY_Q:
-            if has_next & (n_tiles == 0):  # no S product here: the Q buffer is free already
-                _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
+        if has_next & (n_tiles == 0):  # no S product here: the Q buffer is free already
+            _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
         for i in range(n_tiles):
             stage = (slot + i) % STAGES
             k0 = k_start + i * BLOCK_N
@@ -199,9 +201,8 @@ def _tree_verify_hopper_kernel(
             p_smem.store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()  # both halves of P (and any zeroed V rows) are in shared memory
-            if EARLY_Q:
-                if has_next & (i == n_tiles - 1):  # both S products are done: Q is free
-                    _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
+            if has_next & (i == n_tiles - 1):  # both S products are done: Q is free
+                _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
@@ -211,7 +212,7 @@ def _tree_verify_hopper_kernel(
                             page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
             else:  # this stage's next ring position holds the next item's tile i + STAGES - n_tiles
                 t = i + STAGES - n_tiles
-                if t < nn_tiles:
+                if t < gl.minimum(nn_tiles, EARLY_TILES):
                     _issue_tile(kn_desc, kr_desc, kn, kr, bars.index(stage), nbt_row_ptr, nk_start + t * BLOCK_N,
                                 nk_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
         slot += n_tiles
@@ -221,19 +222,21 @@ def _tree_verify_hopper_kernel(
         lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
         inv_l = gl.convert_layout(gl.where(has_keys, 1.0 / gl.where(has_keys, l_i, 1.0), 0.0), row_o)
         out = acc * inv_l[:, None]
+        late_stage = (slot + STAGES - 1) % STAGES  # this item's last tile's, free; next item's tile STAGES - 1
+        staging = kn_smem.index(late_stage)
         if EPILOGUE == 2:
-            qn_smem.store(out.to(dtype))  # this item's Q is no longer needed: its buffer stages the output
+            staging.store(out.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(out_desc, [q_row, 0], qn_smem)
+            tma.async_copy_shared_to_global(out_desc, [q_row, 0], staging)
             tma.store_wait(0)
         elif EPILOGUE == 1:
-            qn_smem.store(out.to(dtype))
+            staging.store(out.to(dtype))
             gl.thread_barrier()
             io_rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
             cols = gl.arange(0, D_V, layout=gl.SliceLayout(0, io_layout))
             io_out = out_ptr + b * stride_ob + (io_rows // heads)[:, None] * stride_on + (io_rows % heads)[:, None] * stride_oh
-            gl.store(io_out + cols[None, :], qn_smem.load(io_layout), mask=(io_rows < rows_per_req)[:, None])
+            gl.store(io_out + cols[None, :], staging.load(io_layout), mask=(io_rows < rows_per_req)[:, None])
         else:
             rows_o = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_o)
             cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
@@ -242,10 +245,12 @@ def _tree_verify_hopper_kernel(
                      mask=(rows_o < rows_per_req)[:, None])
         l_ptrs = lse_ptr + b * stride_lb + node * stride_ln + (rows % heads) * stride_lh + split * stride_ls
         gl.store(l_ptrs, lse, mask=rows < rows_per_req)
-        fence_async_shared()  # this item's generic reads / writes of the Q buffer before TMA refills it
-        gl.thread_barrier()
-        if not EARLY_Q:
-            if has_next:
-                _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
+        if EARLY_TILES < STAGES:
+            fence_async_shared()  # the staging buffer's generic reads / writes before TMA refills it
+            gl.thread_barrier()
+            if EARLY_TILES < nn_tiles:
+                _issue_tile(kn_desc, kr_desc, staging, kr_smem.index(late_stage), bars.index(late_stage), nbt_row_ptr,
+                            nk_start + EARLY_TILES * BLOCK_N, nk_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V,
+                            D_ROPE)
     for st in gl.static_range(STAGES + 1):
         mbarrier.invalidate(bars.index(st))

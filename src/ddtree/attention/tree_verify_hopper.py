@@ -107,6 +107,7 @@ def _tree_verify_hopper_kernel(
     qk_scale, rows_per_req, heads, page_size, num_splits, past_end, n_row_tiles, n_items,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, EPILOGUE: gl.constexpr,
+    LAZY: gl.constexpr = False, L2D: gl.constexpr = False,
 ):
     """EPILOGUE: 0 = direct stores (split-KV float32 partials), 1 = staged in shared memory, then
     16-byte stores, 2 = staged in shared memory, then a TMA store (rows_per_req % BLOCK_M == 0).
@@ -154,6 +155,8 @@ def _tree_verify_hopper_kernel(
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         acc = gl.zeros([BLOCK_M, D_V], gl.float32, o_layout)
+        if L2D:
+            l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         # The next item's first KV tiles go into ring positions slot + n_tiles + t as this item's
         # tiles free them; those this item never uses are free now.
         next_item = item + step
@@ -192,18 +195,42 @@ def _tree_verify_hopper_kernel(
                 _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
             s = warpgroup_mma_wait(0, deps=[s])
             s = gl.where(allowed, s * qk_scale, float("-inf"))  # log2 domain
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            m_tile = gl.max(s, 1)
+            if LAZY:
+                # The running maximum moves only when some row's grows by more than 8 (P <= 256
+                # meanwhile, exact in the end since l and acc share it): acc is rarely rescaled.
+                grow = gl.max((m_tile > m_i + 8.0).to(gl.int32), 0)
+                if grow > 0:
+                    m_new = gl.maximum(m_i, m_tile)
+                    alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+                    if L2D:
+                        l_acc = l_acc * alpha[:, None]
+                    else:
+                        l_i = l_i * alpha
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    m_i = m_new
+                p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            else:
+                m_new = gl.maximum(m_i, m_tile)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - m_safe[:, None])
+                if L2D:
+                    l_acc = l_acc * alpha[:, None]
+                else:
+                    l_i = l_i * alpha
+                m_i = m_new
+            if L2D:
+                l_acc = l_acc + p  # reduced over keys once, after the last tile
+            else:
+                l_i = l_i + gl.sum(p, 1)
             p_smem.store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()  # both halves of P (and any zeroed V rows) are in shared memory
             if has_next & (i == n_tiles - 1):  # both S products are done: Q is free
                 _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            if not LAZY:
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             gl.thread_barrier()  # every warp is done with this stage and with P
@@ -217,6 +244,8 @@ def _tree_verify_hopper_kernel(
                                 nk_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
         slot += n_tiles
         done += 1
+        if L2D:
+            l_i = gl.sum(l_acc, 1)
 
         has_keys = l_i > 0.0
         lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))

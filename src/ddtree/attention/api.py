@@ -119,9 +119,8 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
 
 
 def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
-                   softmax_scale, num_splits, epilogue: int | None = None, **flags) -> None:
-    """Launch the Gluon kernel; `epilogue` and `flags` override the output path and kernel
-    constexprs (dev timing only)."""
+                   softmax_scale, num_splits, epilogue: int | None = None) -> None:
+    """Launch the Gluon kernel; `epilogue` overrides the output path (dev timing only)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -158,7 +157,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
         *part.stride()[:4], *part_lse.stride(),
         softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, kv_cache.shape[0] * page_size,
         n_row_tiles, n_items, D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
-        EPILOGUE=epilogue, num_warps=8, **flags,
+        EPILOGUE=epilogue, num_warps=8,
     )
 
 

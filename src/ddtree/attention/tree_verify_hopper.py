@@ -50,13 +50,19 @@ def _issue_tile(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row_ptr, k0, kv_len, p
 
 
 @gluon.jit
-def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, D_V: gl.constexpr, layout: gl.constexpr):
-    """buf[first:, :] = 0 for a [BLOCK_N, D_V] shared tile (generic stores; caller fences)."""
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    for c in gl.static_range(D_V // 128):
-        chunk = buf.slice(c * 128, 128, dim=1)
-        vals = chunk.load(layout)
-        chunk.store(gl.where((rows >= first)[:, None], gl.zeros_like(vals), vals))
+def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, D_V: gl.constexpr):
+    """buf[first:, :] = 0 for a [BLOCK_N, D_V] shared tile (generic stores; caller fences).
+    Groups of 8 rows wholly past `first` are only written; the one it cuts is read and masked."""
+    layout: gl.constexpr = gl.BlockedLayout([1, D_V // 32], [1, 32], [8, 1], [1, 0])  # 8 rows x D_V
+    rows = gl.arange(0, 8, layout=gl.SliceLayout(1, layout))
+    zeros = gl.zeros([8, D_V], buf.dtype, layout)
+    for g in gl.static_range(BLOCK_N // 8):
+        group = buf.slice(g * 8, 8, dim=0)
+        if g * 8 >= first:
+            group.store(zeros)
+        elif g * 8 + 8 > first:
+            vals = group.load(layout)
+            group.store(gl.where((g * 8 + rows >= first)[:, None], zeros, vals))
 
 
 @gluon.jit
@@ -107,7 +113,6 @@ def _tree_verify_hopper_kernel(
     qk_scale, rows_per_req, heads, page_size, num_splits, past_end, n_row_tiles, n_items,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, EPILOGUE: gl.constexpr,
-    LAZY: gl.constexpr = False, L2D: gl.constexpr = False,
 ):
     """EPILOGUE: 0 = direct stores (split-KV float32 partials), 1 = staged in shared memory, then
     16-byte stores, 2 = staged in shared memory, then a TMA store (rows_per_req % BLOCK_M == 0).
@@ -153,10 +158,8 @@ def _tree_verify_hopper_kernel(
         node = rows // heads
         row_ok = (rows < rows_per_req) & (node < n_valid)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
         acc = gl.zeros([BLOCK_M, D_V], gl.float32, o_layout)
-        if L2D:
-            l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        l_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         # The next item's first KV tiles go into ring positions slot + n_tiles + t as this item's
         # tiles free them; those this item never uses are free now.
         next_item = item + step
@@ -192,45 +195,22 @@ def _tree_verify_hopper_kernel(
                 seen = ((word >> (j & 63)[None, :]) & 1) != 0
                 allowed = allowed & (~in_tree | seen)
             if k0 + BLOCK_N > k_end:
-                _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V, io_layout)
+                _zero_rows_from(kn, k_end - k0, BLOCK_N, D_V)
             s = warpgroup_mma_wait(0, deps=[s])
             s = gl.where(allowed, s * qk_scale, float("-inf"))  # log2 domain
-            m_tile = gl.max(s, 1)
-            if LAZY:
-                # The running maximum moves only when some row's grows by more than 8 (P <= 256
-                # meanwhile, exact in the end since l and acc share it): acc is rarely rescaled.
-                grow = gl.max((m_tile > m_i + 8.0).to(gl.int32), 0)
-                if grow > 0:
-                    m_new = gl.maximum(m_i, m_tile)
-                    alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
-                    if L2D:
-                        l_acc = l_acc * alpha[:, None]
-                    else:
-                        l_i = l_i * alpha
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    m_i = m_new
-                p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            else:
-                m_new = gl.maximum(m_i, m_tile)
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - m_safe[:, None])
-                if L2D:
-                    l_acc = l_acc * alpha[:, None]
-                else:
-                    l_i = l_i * alpha
-                m_i = m_new
-            if L2D:
-                l_acc = l_acc + p  # reduced over keys once, after the last tile
-            else:
-                l_i = l_i + gl.sum(p, 1)
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            # Row sums stay per key column until the item ends: no cross-warpgroup sum per tile.
+            l_acc = l_acc * alpha[:, None] + p
+            m_i = m_new
             p_smem.store(p.to(dtype))
             fence_async_shared()
             gl.thread_barrier()  # both halves of P (and any zeroed V rows) are in shared memory
             if has_next & (i == n_tiles - 1):  # both S products are done: Q is free
                 _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, nq_row, BLOCK_M, D_V + D_ROPE)
-            if not LAZY:
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             gl.thread_barrier()  # every warp is done with this stage and with P
@@ -244,8 +224,7 @@ def _tree_verify_hopper_kernel(
                                 nk_end, page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE)
         slot += n_tiles
         done += 1
-        if L2D:
-            l_i = gl.sum(l_acc, 1)
+        l_i = gl.sum(l_acc, 1)
 
         has_keys = l_i > 0.0
         lse = gl.where(has_keys, (m_i + gl.log2(gl.where(has_keys, l_i, 1.0))) / 1.4426950408889634, float("-inf"))

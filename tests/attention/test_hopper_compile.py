@@ -30,7 +30,9 @@ def _report(page_rows: int, epilogue: int) -> dict:
 def test_kernel_fits_an_sm_and_does_no_mma_twice(page_rows, epilogue):
     report = _report(page_rows, epilogue)
     assert report["shared"] <= 232448, report["shared"]  # the sm_90 opt-in limit per block (227 KB)
-    assert report["registers"] <= 255 and report["spill_bytes"] <= 16, (report["registers"], report["spill_bytes"])
+    # A few spilled words (40-52 B since the row sums became per-column accumulators, which
+    # measured 2-3% faster than the spill-free version); a larger spill means a regression.
+    assert report["registers"] <= 255 and report["spill_bytes"] <= 64, (report["registers"], report["spill_bytes"])
     # Per 64 x 64 tile and warpgroup: S over 576 dims in k-steps of 16 (36 x n32, the warpgroup's
     # own key columns) and P.V over 64 keys (4 x n256, its own value columns). Triton's own
     # lowering of the same loop gives 72 + 4: S computed by both warpgroups.

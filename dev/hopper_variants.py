@@ -1,5 +1,5 @@
-"""Hopper kernel epilogues (0: direct stores + early next Q, 1: smem + 16-byte stores, 2: smem + TMA store), alternated and
-repeated to see run-to-run spread, at the small-prefix shapes."""
+"""Hopper kernel epilogues (0: direct stores from the MMA layout, 1: staged in shared memory +
+16-byte stores, 2: staged + TMA store), alternated and repeated to see run-to-run spread."""
 
 import sys
 from pathlib import Path

@@ -23,7 +23,7 @@ from ddtree.attention import tree_verify_hopper
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def compile_report(page_rows: int = 64, epilogue: int = 2, **flags) -> dict:
+def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
     """{"shared": bytes, "registers": n, "spill_bytes": n, "hgmma": Counter of SASS HGMMA shapes,
     "ttgir": text} for one configuration of _tree_verify_hopper_kernel, compiled for sm_90a."""
     target = GPUTarget("cuda", 90, 32)
@@ -42,7 +42,7 @@ def compile_report(page_rows: int = 64, epilogue: int = 2, **flags) -> dict:
                    block_table_ptr=torch.zeros(1, dtype=torch.int32), prefix_ptr=torch.zeros(1, dtype=torch.int32),
                    num_nodes_ptr=torch.zeros(1, dtype=torch.int32), vis_ptr=torch.zeros(1, dtype=torch.int64),
                    out_ptr=out, lse_ptr=torch.zeros(1))
-    constants = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=epilogue, **flags)
+    constants = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=epilogue)
     fn = tree_verify_hopper._tree_verify_hopper_kernel
     signature, constexprs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -39,8 +39,8 @@ def make_inputs(batch: int, prefix: int, rows: int, seed: int = 0):
     chain = torch.ones(rows, rows, dtype=torch.bool, device="cuda").tril()
     vis = pack_visibility(chain.expand(batch, rows, rows))
     prefix_lens = torch.full((batch,), prefix, dtype=torch.int32, device="cuda")
-    num_nodes = torch.full((batch,), rows, dtype=torch.int32, device="cuda")
-    return q, kv, block_table, prefix_lens, num_nodes, vis, chain
+    num_rows = torch.full((batch,), rows, dtype=torch.int32, device="cuda")
+    return q, kv, block_table, prefix_lens, num_rows, vis, chain
 
 
 def sdpa_baseline(q, kv, block_table, prefix, chain):

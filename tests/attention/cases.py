@@ -22,9 +22,12 @@ class Case:
     seed: int = 0
 
 
-def chain_visibility(batch: int, rows: int) -> torch.Tensor:
-    """Row n sees rows 0..n."""
-    return pack_visibility(torch.ones(rows, rows, dtype=torch.bool).tril().expand(batch, rows, rows))
+def chain_visibility(tree_rows: list[int], rows: int) -> torch.Tensor:
+    """Row n sees rows 0..n; rows past each request's tree_rows are zero, as the builder leaves them."""
+    seen = torch.ones(rows, rows, dtype=torch.bool).tril().expand(len(tree_rows), rows, rows).clone()
+    for b, n in enumerate(tree_rows):
+        seen[b, n:] = False
+    return pack_visibility(seen)
 
 
 def tree_visibility(tree_rows: list[int], rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -44,7 +47,7 @@ def tree_visibility(tree_rows: list[int], rows: int, gen: torch.Generator) -> to
 
 
 def make_inputs(case: Case, device: str):
-    """(q, kv_cache, block_table, prefix_lens, num_nodes, visibility) on `device`."""
+    """(q, kv_cache, block_table, prefix_lens, num_rows, visibility) on `device`."""
     gen = torch.Generator().manual_seed(case.seed)
     batch = len(case.prefixes)
     lengths = [p + case.rows for p in case.prefixes]
@@ -66,10 +69,10 @@ def make_inputs(case: Case, device: str):
     for b in range(batch):
         q[b, case.tree_rows[b] :] = float("nan")  # padding rows' queries are never used
     if case.chain:
-        vis = chain_visibility(batch, case.rows)
+        vis = chain_visibility(case.tree_rows, case.rows)
     else:
         vis = tree_visibility(case.tree_rows, case.rows, gen)
     prefix_lens = torch.tensor(case.prefixes, dtype=torch.int32)
-    num_nodes = torch.tensor(case.tree_rows, dtype=torch.int32)
-    tensors = (q.to(case.dtype), kv.to(case.dtype), block_table, prefix_lens, num_nodes, vis)
+    num_rows = torch.tensor(case.tree_rows, dtype=torch.int32)
+    tensors = (q.to(case.dtype), kv.to(case.dtype), block_table, prefix_lens, num_rows, vis)
     return tuple(t.to(device) for t in tensors)

@@ -40,7 +40,7 @@ def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
     tensors = dict(qn_desc=qn, qr_desc=qr, kn_desc=kn, kr_desc=kr,
                    out_desc=TensorDescriptor(out, [4096, 512], [512, 1], [64, 512], layout),
                    block_table_ptr=torch.zeros(1, dtype=torch.int32), prefix_ptr=torch.zeros(1, dtype=torch.int32),
-                   num_nodes_ptr=torch.zeros(1, dtype=torch.int32), vis_ptr=torch.zeros(1, dtype=torch.int64),
+                   num_rows_ptr=torch.zeros(1, dtype=torch.int32), vis_ptr=torch.zeros(1, dtype=torch.int64),
                    out_ptr=out, lse_ptr=torch.zeros(1))
     constants = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=epilogue)
     fn = tree_verify_hopper._tree_verify_hopper_kernel

@@ -23,7 +23,7 @@ def _inputs():
         (1, lambda kv: kv[..., :512], ValueError, "kv_cache must be"),
         (2, lambda bt: bt.long(), TypeError, "block_table must be torch.int32"),
         (3, lambda pl: pl[:1], ValueError, "prefix_lens must have shape"),
-        (4, lambda nn: nn.float(), TypeError, "num_nodes must be"),
+        (4, lambda nn: nn.float(), TypeError, "num_rows must be"),
         (5, lambda vis: vis[:, :3], ValueError, "visibility must have shape"),
     ],
 )
@@ -37,7 +37,7 @@ def test_shape_and_dtype_errors(index, bad, error, match):
 def test_value_errors():
     args = _inputs()
     args[4] = torch.tensor([5, 3], dtype=torch.int32, device=KERNEL_DEVICE)  # more rows than N = 4
-    with pytest.raises(ValueError, match=r"num_nodes must be in \[0, N=4\]"):
+    with pytest.raises(ValueError, match=r"num_rows must be in \[0, N=4\]"):
         tree_verify_mla(*args, 0.1)
     args = _inputs()
     args[2] = args[2][:, :1]  # request 0 needs 2 pages of 16 for 20 + 4 tokens
@@ -50,6 +50,15 @@ def test_value_errors():
         tree_verify_mla(*args, 0.1)
     with pytest.raises(ValueError, match="num_splits"):
         tree_verify_mla(*_inputs(), 0.1, num_splits=0)
+
+
+def test_tree_node_count_in_place_of_rows_is_refused():
+    """DraftTrees.num_nodes leaves the root out; the kernel's num_rows counts it. Passing the
+    former would silently drop each tree's last node, so the checked path refuses it."""
+    args = _inputs()  # trees of 3 and 2 nodes: num_rows [4, 3]
+    args[4] = args[4] - 1  # what a caller passing trees.num_nodes would give
+    with pytest.raises(ValueError, match=r"visibility row 3 of request 0 is set but num_rows\[0\] = 3"):
+        tree_verify_mla(*args, 0.1)
 
 
 def test_split_choice_depends_on_shapes_only():

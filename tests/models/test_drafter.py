@@ -95,13 +95,16 @@ def test_load_and_pair_checks(tmp_path):
     m = _random_drafter(seed=2)
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, drafter_dir / "model.safetensors")
     (drafter_dir / "config.json").write_text(json.dumps(RAW))
-    loaded = load_drafter(drafter_dir, target, dtype=torch.float32)
+    loaded = load_drafter(drafter_dir, target)  # dtype and device follow the target's
+    assert loaded.fc.weight.dtype == torch.float32 and loaded.fc.weight.device == target.lm_head.weight.device
     for k, v in m.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     for change, match in [
         ({"hidden_size": 48}, "hidden_size 48 != target hidden_size 64"),
         ({"vocab_size": 100}, "vocab_size 100 != target vocab_size 96"),
         ({"dflash_config": {"target_layer_ids": [0, 3], "block_size": 4, "mask_token_id": 95}}, r"target_layer_ids \[3\] out of range"),
+        ({"dflash_config": {"target_layer_ids": [2, 0], "block_size": 4, "mask_token_id": 95}}, r"\[2, 0\] must be strictly increasing"),
+        ({"dflash_config": {"target_layer_ids": [1, 1], "block_size": 4, "mask_token_id": 95}}, r"\[1, 1\] must be strictly increasing"),
     ]:
         (drafter_dir / "config.json").write_text(json.dumps({**RAW, **change}))
         with pytest.raises(ValueError, match=match):

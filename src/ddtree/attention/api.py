@@ -43,7 +43,7 @@ def choose_num_splits(batch: int, rows: int, max_keys: int, device: torch.device
     return max(1, min(want, MAX_SPLITS, max_keys // min_keys))
 
 
-def _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility) -> None:
+def _check(q, kv_cache, block_table, prefix_lens, num_rows, visibility) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be [B, N, H, D], got shape {tuple(q.shape)}")
     batch, rows, _, dim = q.shape
@@ -61,7 +61,7 @@ def _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility) -> None
     for name, t, dtypes, shape in (
         ("block_table", block_table, (torch.int32,), None),
         ("prefix_lens", prefix_lens, (torch.int32,), (batch,)),
-        ("num_nodes", num_nodes, (torch.int32, torch.int64), (batch,)),
+        ("num_rows", num_rows, (torch.int32, torch.int64), (batch,)),
         ("visibility", visibility, (torch.int64,), (batch, rows, triton.cdiv(rows, 64))),
     ):
         if t.dtype not in dtypes:
@@ -77,19 +77,29 @@ def _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility) -> None
     require_kernel_device(q.device, "tree_verify_mla")
 
 
-def _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows) -> None:
+def _check_values(kv_cache, block_table, prefix_lens, num_rows, visibility, rows) -> None:
     """Checks that read the metadata back (a host sync): lengths, pages and block table."""
-    if (num_nodes < 0).any() or (num_nodes > rows).any():
-        raise ValueError(f"num_nodes must be in [0, N={rows}], got {num_nodes.tolist()}")
+    if (num_rows < 0).any() or (num_rows > rows).any():
+        raise ValueError(f"num_rows must be in [0, N={rows}], got {num_rows.tolist()}")
+    # The first padding row of a builder's tree is all zero; a set row there means the caller
+    # counted the root out (passed DraftTrees.num_nodes) and the last node would be dropped.
+    short = (num_rows < rows).nonzero().flatten().tolist()
+    for b in short:
+        n = int(num_rows[b])
+        if bool((visibility[b, n] != 0).any()):
+            raise ValueError(
+                f"visibility row {n} of request {b} is set but num_rows[{b}] = {n}: num_rows counts the root "
+                "(1 + DraftTrees.num_nodes) and rows past it must be zero"
+            )
     if (prefix_lens < 0).any():
         raise ValueError(f"prefix_lens must be >= 0, got {prefix_lens.tolist()}")
     page_size = kv_cache.shape[1]
-    pages_needed = (prefix_lens.long() + num_nodes.long() + page_size - 1) // page_size
+    pages_needed = (prefix_lens.long() + num_rows.long() + page_size - 1) // page_size
     if (pages_needed > block_table.shape[1]).any():
         b = int((pages_needed > block_table.shape[1]).nonzero()[0])
         raise ValueError(
             f"block_table has {block_table.shape[1]} pages per request but request {b} needs "
-            f"{int(pages_needed[b])} (prefix {int(prefix_lens[b])} + {int(num_nodes[b])} rows, page size {page_size})"
+            f"{int(pages_needed[b])} (prefix {int(prefix_lens[b])} + {int(num_rows[b])} rows, page size {page_size})"
         )
     used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages_needed[:, None]
     bad = used & ((block_table < 0) | (block_table >= kv_cache.shape[0]))
@@ -118,7 +128,7 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
     return None
 
 
-def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                    softmax_scale, num_splits, epilogue: int | None = None) -> None:
     """Launch the Gluon kernel; `epilogue` overrides the output path (dev timing only)."""
     from triton.experimental.gluon import language as gl
@@ -151,7 +161,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
     n_items = n_row_tiles * batch * num_splits
     grid = (min(n_items, _multiprocessors(q.device)),)  # persistent: one program per multiprocessor
     _tree_verify_hopper_kernel[grid](
-        qn, qr, kn, kr, out_desc, block_table, prefix_lens, num_nodes, visibility,
+        qn, qr, kn, kr, out_desc, block_table, prefix_lens, num_rows, visibility,
         part, part_lse,
         block_table.stride(0), visibility.stride(0), visibility.stride(1),
         *part.stride()[:4], *part_lse.stride(),
@@ -166,7 +176,7 @@ def tree_verify_mla(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     prefix_lens: torch.Tensor,
-    num_nodes: torch.Tensor,
+    num_rows: torch.Tensor,
     visibility: torch.Tensor,
     softmax_scale: float,
     *,
@@ -185,7 +195,8 @@ def tree_verify_mla(
     kv_cache:     same dtype [num_pages, page_size, 576], one entry per token shared by all heads.
     block_table:  int32 [B, max_pages], page ids of each request's tokens in order.
     prefix_lens:  int32 [B], committed tokens; tree row n's own entry is at slot prefix_lens + n.
-    num_nodes:    int32/int64 [B], valid rows per request (root + tree nodes, <= N); rows past it
+    num_rows:     int32/int64 [B], valid rows per request, the root included (<= N): for a draft
+                  tree 1 + DraftTrees.num_nodes (the tree's count leaves the root out); rows past it
                   are padding and come back as zeros (lse -inf); their cache slots are never read.
     visibility:   int64 [B, N, ceil(N / 64)], the builder's ancestor bitmask (bit j of word j // 64
                   of row n: row n sees tree row j).
@@ -199,7 +210,7 @@ def tree_verify_mla(
     block_n, num_warps, num_stages: tuning of the triton backend (keys per tile, warps, stages).
     Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
     """
-    _check(q, kv_cache, block_table, prefix_lens, num_nodes, visibility)
+    _check(q, kv_cache, block_table, prefix_lens, num_rows, visibility)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     use_hopper = False
@@ -210,7 +221,7 @@ def tree_verify_mla(
         use_hopper = why_not is None
     batch, rows, heads, dim = q.shape
     if check:
-        _check_values(kv_cache, block_table, prefix_lens, num_nodes, rows)
+        _check_values(kv_cache, block_table, prefix_lens, num_rows, visibility, rows)
     if num_splits is None:
         num_splits = choose_num_splits(batch, rows * heads, block_table.shape[1] * kv_cache.shape[1], q.device,
                                        "hopper" if use_hopper else "triton")
@@ -234,10 +245,10 @@ def tree_verify_mla(
         part = torch.empty(batch, rows, heads, num_splits, VALUE_DIM, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, rows, heads, num_splits, dtype=torch.float32, device=q.device)
     if use_hopper:
-        _launch_hopper(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+        _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                        softmax_scale, num_splits)
     else:
-        _launch_triton(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+        _launch_triton(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                        softmax_scale, num_splits, block_n, num_warps, num_stages)
     if num_splits > 1:
         _merge_splits_kernel[(batch * rows * heads,)](
@@ -247,12 +258,12 @@ def tree_verify_mla(
     return out, lse
 
 
-def _launch_triton(q, kv_cache, block_table, prefix_lens, num_nodes, visibility, part, part_lse,
+def _launch_triton(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                    softmax_scale, num_splits, block_n, num_warps, num_stages) -> None:
     batch, rows, heads, dim = q.shape
     grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
     _tree_verify_kernel[grid](
-        q, kv_cache, block_table, prefix_lens, num_nodes, visibility,
+        q, kv_cache, block_table, prefix_lens, num_rows, visibility,
         part, part_lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),

@@ -31,7 +31,7 @@ def tree_verify_mla_reference(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     prefix_lens: torch.Tensor,
-    num_nodes: torch.Tensor,
+    num_rows: torch.Tensor,
     visibility: torch.Tensor,
     softmax_scale: float,
     value_dim: int = 512,
@@ -47,7 +47,7 @@ def tree_verify_mla_reference(
     for b in range(batch):
         prefix = int(prefix_lens[b])
         kv = gather_tokens(kv_cache, block_table, b, prefix + rows).double()
-        for n in range(int(num_nodes[b])):
+        for n in range(int(num_rows[b])):
             seen = torch.cat([torch.ones(prefix, dtype=torch.bool, device=q.device),
                               visible_tree_slots(visibility, b, n, rows)])
             keys = kv[seen]  # [keys, 576]

@@ -27,7 +27,7 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _tree_verify_kernel(
-    q_ptr, kv_ptr, block_table_ptr, prefix_ptr, num_nodes_ptr, vis_ptr,
+    q_ptr, kv_ptr, block_table_ptr, prefix_ptr, num_rows_ptr, vis_ptr,
     out_ptr, lse_ptr,
     stride_qb, stride_qn, stride_qh,
     stride_kvp, stride_kvs,
@@ -42,8 +42,8 @@ def _tree_verify_kernel(
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     prefix = tl.load(prefix_ptr + b)
-    n_valid = tl.load(num_nodes_ptr + b).to(tl.int32)
-    kv_len = prefix + n_valid  # tree slots past num_nodes may be stale: never read
+    n_valid = tl.load(num_rows_ptr + b).to(tl.int32)
+    kv_len = prefix + n_valid  # tree slots past num_rows may be stale: never read
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     node = rows // heads

@@ -66,7 +66,7 @@ def _zero_rows_from(buf, first, BLOCK_N: gl.constexpr, D_V: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(item, n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr, stride_btb,
+def _work_item(item, n_row_tiles, num_splits, prefix_ptr, num_rows_ptr, block_table_ptr, stride_btb,
                rows_per_req, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Item -> its row tile, request, key range [k_start, k_end) and tile count. Items of one
     request are consecutive, so the programs running together share its KV tiles in L2."""
@@ -74,8 +74,8 @@ def _work_item(item, n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_t
     split = (item // n_row_tiles) % num_splits
     b = (item // (n_row_tiles * num_splits)).to(gl.int64)
     prefix = gl.load(prefix_ptr + b)
-    n_valid = gl.load(num_nodes_ptr + b).to(gl.int32)
-    kv_len = prefix + n_valid  # tree slots past num_nodes may be stale: never read
+    n_valid = gl.load(num_rows_ptr + b).to(gl.int32)
+    kv_len = prefix + n_valid  # tree slots past num_rows may be stale: never read
     chunk = gl.cdiv(gl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     k_start = split * chunk
     k_end = gl.minimum(k_start + chunk, kv_len)
@@ -105,7 +105,7 @@ def _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot, bt_row_pt
 
 @gluon.jit
 def _tree_verify_hopper_kernel(
-    qn_desc, qr_desc, kn_desc, kr_desc, out_desc, block_table_ptr, prefix_ptr, num_nodes_ptr, vis_ptr,
+    qn_desc, qr_desc, kn_desc, kr_desc, out_desc, block_table_ptr, prefix_ptr, num_rows_ptr, vis_ptr,
     out_ptr, lse_ptr,
     stride_btb, stride_visb, stride_visn,
     stride_ob, stride_on, stride_oh, stride_os,
@@ -144,7 +144,7 @@ def _tree_verify_hopper_kernel(
     first = gl.program_id(0)
     step = gl.num_programs(0)
     _, _, _, _, _, k_start, k_end, n_tiles, bt_row_ptr, q_row = _work_item(
-        first, n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr, stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
+        first, n_row_tiles, num_splits, prefix_ptr, num_rows_ptr, block_table_ptr, stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
     _issue_q(qn_desc, qr_desc, qn_smem, qr_smem, q_bar, q_row, BLOCK_M, D_V + D_ROPE)
     _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, 0, bt_row_ptr, k_start, k_end, n_tiles,
                        page_size, past_end, BLOCK_N, PAGE_ROWS, D_V, D_ROPE, STAGES)
@@ -153,7 +153,7 @@ def _tree_verify_hopper_kernel(
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     for item in range(first, n_items, step):
         pid_m, split, b, prefix, n_valid, k_start, k_end, n_tiles, bt_row_ptr, q_row = _work_item(
-            item, n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr, stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
+            item, n_row_tiles, num_splits, prefix_ptr, num_rows_ptr, block_table_ptr, stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
         node = rows // heads
         row_ok = (rows < rows_per_req) & (node < n_valid)
@@ -165,7 +165,7 @@ def _tree_verify_hopper_kernel(
         next_item = item + step
         has_next = next_item < n_items
         _, _, _, _, _, nk_start, nk_end, nn_tiles, nbt_row_ptr, nq_row = _work_item(
-            gl.minimum(next_item, n_items - 1), n_row_tiles, num_splits, prefix_ptr, num_nodes_ptr, block_table_ptr,
+            gl.minimum(next_item, n_items - 1), n_row_tiles, num_splits, prefix_ptr, num_rows_ptr, block_table_ptr,
             stride_btb, rows_per_req, BLOCK_M, BLOCK_N)
         nn_tiles = gl.where(has_next, nn_tiles, 0)
         _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot + n_tiles, nbt_row_ptr, nk_start, nk_end,

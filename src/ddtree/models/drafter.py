@@ -200,7 +200,14 @@ def check_pair(target_cfg, drafter_cfg: DrafterConfig) -> None:
         raise ValueError(f"drafter hidden_size {drafter_cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
     if drafter_cfg.vocab_size != target_cfg.vocab_size:
         raise ValueError(f"drafter vocab_size {drafter_cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
-    bad = [i for i in drafter_cfg.target_layer_ids if not 0 <= i < target_cfg.num_hidden_layers]
+    ids = list(drafter_cfg.target_layer_ids)
+    if not ids:
+        raise ValueError("drafter target_layer_ids is empty")
+    if ids != sorted(set(ids)):
+        # Features are concatenated in this order and fc was trained on it: a repeat or a swap
+        # would feed the drafter the wrong layers without any shape error.
+        raise ValueError(f"drafter target_layer_ids {ids} must be strictly increasing (no repeats)")
+    bad = [i for i in ids if not 0 <= i < target_cfg.num_hidden_layers]
     if bad:
         raise ValueError(f"drafter target_layer_ids {bad} out of range for a {target_cfg.num_hidden_layers}-layer target")
     if not 0 <= drafter_cfg.mask_token_id < target_cfg.vocab_size:

@@ -120,12 +120,19 @@ def random_target(
 
 
 def load_drafter(
-    path: str | Path, target: Target, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    path: str | Path, target: Target, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
 ) -> Drafter:
-    """A DFlash drafter for `target` (pair checked first), streamed like load_target."""
+    """A DFlash drafter for `target` (pair checked first), streamed like load_target.
+
+    dtype and device default to the target's: the drafter reads the target's embeddings and
+    hidden states and feeds its lm_head, so it must live where the target does.
+    """
     path = Path(path)
     cfg = DrafterConfig.from_pretrained(path)
     check_pair(target.cfg, cfg)
+    weight = target.embed_tokens.weight
+    dtype = dtype or weight.dtype
+    device = device or weight.device
     with torch.device("meta"):
         model = Drafter(cfg)
     model = _materialize(model, dtype, device)

@@ -67,12 +67,13 @@ def setup(model, batch: int, rows: int, prefix: int):
         cache.normal_(0, 1, generator=gen)
     prefix_lens = torch.full((batch,), prefix, dtype=torch.int32, device="cuda")
     chain = torch.ones(rows, rows, dtype=torch.bool, device="cuda").tril()
-    meta = ForwardMeta(
-        block_table=torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).int(),
-        prefix_lens=prefix_lens,
-        num_rows=torch.full((batch,), rows, dtype=torch.int32, device="cuda"),
-        positions=prefix + torch.arange(rows, device="cuda").expand(batch, rows),
-        visibility=pack_visibility(chain.expand(batch, rows, rows)),
+    meta = ForwardMeta.build(
+        torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).int(),
+        prefix_lens,
+        torch.full((batch,), rows, dtype=torch.int32, device="cuda"),
+        prefix + torch.arange(rows, device="cuda").expand(batch, rows),
+        pack_visibility(chain.expand(batch, rows, rows)),
+        page_size=PAGE, scratch_page=batch * pages,  # new_cache's extra last page
     )
     ids = torch.randint(0, model.cfg.vocab_size, (batch, rows), device="cuda", generator=gen)
     return ids, meta, caches

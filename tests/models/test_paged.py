@@ -27,15 +27,15 @@ def _block_table(batch: int, pages_each: int, seed: int) -> torch.Tensor:
     return order[: batch * pages_each].view(batch, pages_each).int()  # shuffled, 3 pages unused
 
 
-def _chain_meta(block_table, prefix_lens, n, num_rows=None):
+def _chain_meta(block_table, prefix_lens, n, num_rows=None, scratch_page=None):
+    """A causal chain of n new rows; the scratch page defaults to new_cache's (3 spare pages past the table)."""
     b = block_table.shape[0]
     prefix = torch.tensor(prefix_lens, dtype=torch.int32)
-    return ForwardMeta(
-        block_table=block_table,
-        prefix_lens=prefix,
-        num_rows=torch.tensor(num_rows or [n] * b, dtype=torch.int32),
-        positions=prefix.long()[:, None] + torch.arange(n),
-        visibility=pack_visibility(torch.ones(n, n, dtype=torch.bool).tril().expand(b, n, n)),
+    return ForwardMeta.build(
+        block_table, prefix, torch.tensor(num_rows or [n] * b, dtype=torch.int32),
+        prefix.long()[:, None] + torch.arange(n),
+        pack_visibility(torch.ones(n, n, dtype=torch.bool).tril().expand(b, n, n)),
+        page_size=PAGE, scratch_page=block_table.numel() + 3 if scratch_page is None else scratch_page,
     )
 
 
@@ -67,12 +67,9 @@ def test_tree_verify_equals_per_branch_decoding(target):
     root = prompt[:, 5:6]
     rows = torch.cat([root, trees.tokens.clamp_min(0)], dim=1)  # [B, 8]
     depths = torch.cat([torch.zeros(2, 1, dtype=torch.long), trees.depths.clamp_min(0)], dim=1)
-    meta = ForwardMeta(
-        block_table=bt,
-        prefix_lens=torch.tensor([5, 5], dtype=torch.int32),
-        num_rows=(trees.num_nodes + 1).int(),
-        positions=5 + depths,
-        visibility=trees.visibility[:, :n],
+    meta = ForwardMeta.build(
+        bt, torch.tensor([5, 5], dtype=torch.int32), (trees.num_nodes + 1).int(), 5 + depths, trees.visibility[:, :n],
+        page_size=PAGE, scratch_page=bt.numel() + 3,
     )
     got, _ = target.forward_paged(rows, meta, caches)
     for r in range(2):
@@ -102,7 +99,7 @@ def test_verify_with_the_triton_kernel_matches_prefill_bf16():
     bt = _block_table(2, 12, seed=5).cuda()
     caches = model.new_cache(bt.numel() + 3, PAGE)
     meta = _chain_meta(bt.cpu(), [0, 0], 40)
-    meta = type(meta)(**{k: v.cuda() for k, v in vars(meta).items()})
+    meta = ForwardMeta(**{k: v.cuda() for k, v in vars(meta).items()})
     got, _ = model.forward_paged(ids, meta, caches)
     err = (got - want).norm() / want.norm()
     assert err < 2e-2, f"relative error {err:.2e}"
@@ -122,7 +119,7 @@ def test_tree_verify_forward_captures_in_a_cuda_graph():
     bt = _block_table(2, 8, seed=6).cuda()
     caches = model.new_cache(bt.numel() + 3, PAGE)
     meta = _chain_meta(bt.cpu(), [9, 13], 5)
-    meta = type(meta)(**{k: v.cuda() for k, v in vars(meta).items()})
+    meta = ForwardMeta(**{k: v.cuda() for k, v in vars(meta).items()})
     ids = torch.zeros(2, 5, dtype=torch.long, device="cuda")
     model.forward_paged(ids, meta, caches)  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -132,3 +129,29 @@ def test_tree_verify_forward_captures_in_a_cuda_graph():
     graph.replay()
     eager, _ = model.forward_paged(ids, meta, caches)
     assert torch.equal(captured, eager), (captured - eager).abs().max()  # the forward is deterministic
+
+
+@torch.no_grad()
+def test_padding_rows_and_missing_pages_never_write_into_a_request(target):
+    """Rows past num_rows, and rows whose block-table entry is -1, write only to the scratch page:
+    every other slot keeps its NaN poison, and the valid rows' slots are all written."""
+    bt = torch.tensor([[2, 0, -1, -1], [1, 3, -1, -1]], dtype=torch.int32)  # page 4 spare, page 5 scratch
+    caches = target.new_cache(5, PAGE)
+    prefix = {(2, 0), (2, 1), (2, 2), (1, 0), (1, 1), (1, 2), (1, 3), (3, 0)}  # (page, offset)
+    for cache in caches:
+        cache.fill_(float("nan"))
+        for page, offset in prefix:
+            cache[page, offset] = torch.randn(cache.shape[-1])
+    ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(7))
+    # request 0: prefix 3, 4 valid rows (slots 3..6, pages 2 and 0); request 1: prefix 5, 2 valid
+    # rows (slots 5, 6 on page 3), its padding rows 2..5 would reach slots 7..10 (page 3, then -1).
+    meta = _chain_meta(bt, [3, 5], 6, num_rows=[4, 2], scratch_page=5)
+    logits, _ = target.forward_paged(ids, meta, caches)
+    assert torch.isfinite(logits[0, :4]).all() and torch.isfinite(logits[1, :2]).all()
+    written = prefix | {(2, 3), (0, 0), (0, 1), (0, 2), (3, 1), (3, 2)}
+    for cache in caches:
+        for page in range(5):
+            for offset in range(PAGE):
+                is_nan = bool(torch.isnan(cache[page, offset]).all())
+                assert is_nan != ((page, offset) in written), (page, offset)
+        assert torch.isfinite(cache[5]).all()  # the scratch page took the padding rows

@@ -63,10 +63,14 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, i, h))
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
+        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
+        if router_ids is not None:
+            router_ids.append(ids)
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)

@@ -18,11 +18,17 @@ from ..attention import tree_verify_mla
 class ForwardMeta:
     """Per-forward metadata (shapes fixed by B and N, so a forward can be graph-captured).
 
-    block_table: int32 [B, max_pages]  pages of each request; must cover prefix_len + N slots.
-    prefix_lens: int32 [B]             committed tokens already in the cache.
-    num_rows:    int32 [B]             valid new rows per request (<= N); the rest is padding.
-    positions:   int64 [B, N]          rotary positions of the new rows.
-    visibility:  int64 [B, N, ceil(N / 64)]  bitmask: new row n sees new row j (DraftTrees layout).
+    block_table:  int32 [B, max_pages]  pages of each request (-1 = none); must cover prefix_len + num_rows.
+    prefix_lens:  int32 [B]             committed tokens already in the cache.
+    num_rows:     int32 [B]             valid new rows per request (<= N), the root included for a
+                                        tree (1 + DraftTrees.num_nodes); the rest is padding.
+    positions:    int64 [B, N]          rotary positions of the new rows.
+    visibility:   int64 [B, N, ceil(N / 64)]  bitmask: new row n sees new row j (DraftTrees layout).
+    slot_mapping: int64 [B, N]          flat cache slot (page * page_size + offset) each new row's
+                                        entry goes to; padding rows go to the cache's scratch page.
+
+    Build it with ForwardMeta.build, which derives slot_mapping from the other fields once per
+    forward (not once per layer).
     """
 
     block_table: torch.Tensor
@@ -30,19 +36,41 @@ class ForwardMeta:
     num_rows: torch.Tensor
     positions: torch.Tensor
     visibility: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @classmethod
+    def build(cls, block_table, prefix_lens, num_rows, positions, visibility, *, page_size: int, scratch_page: int) -> "ForwardMeta":
+        """The metadata of one forward; scratch_page is the cache page that absorbs padding rows
+        (Target.new_cache puts it last). Tensors as in the class docstring; no host sync."""
+        rows = positions.shape[1]
+        return cls(block_table, prefix_lens, num_rows, positions, visibility,
+                   slot_mapping(block_table, prefix_lens, num_rows, rows, page_size, scratch_page))
 
 
-def cache_slots(meta: ForwardMeta, page_size: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page, offset) int64 [B, N] of the new rows' cache slots."""
-    slots = meta.prefix_lens.long()[:, None] + torch.arange(rows, device=meta.prefix_lens.device)
-    pages = meta.block_table.long().gather(1, slots // page_size)
-    return pages, slots % page_size
+def slot_mapping(block_table: torch.Tensor, prefix_lens: torch.Tensor, num_rows: torch.Tensor, rows: int,
+                 page_size: int, scratch_page: int) -> torch.Tensor:
+    """int64 [B, rows]: flat cache slot of new row n of each request, at slot prefix_len + n.
+
+    Padding rows (n >= num_rows), and any row whose page is not in the block table (-1, or past
+    its end), go to the scratch page instead: such a write must never land in a page another
+    request owns (a -1 read as an index would pick the last page). The engine reserves pages
+    before a round, so valid rows always have one.
+    """
+    device = prefix_lens.device
+    n = torch.arange(rows, device=device)
+    slots = prefix_lens.long()[:, None] + n  # [B, rows]
+    page_index = slots // page_size
+    in_table = page_index < block_table.shape[1]
+    pages = block_table.long().gather(1, page_index.clamp_max(block_table.shape[1] - 1))
+    valid = (n < num_rows.long()[:, None]) & in_table & (pages >= 0)
+    return torch.where(valid, pages * page_size + slots % page_size, scratch_page * page_size + n % page_size)
 
 
 def write_entries(cache: torch.Tensor, entries: torch.Tensor, meta: ForwardMeta) -> None:
-    """cache [num_pages, page_size, D] <- entries [B, N, D] at the new rows' slots."""
-    pages, offsets = cache_slots(meta, cache.shape[1], entries.shape[1])
-    cache[pages, offsets] = entries.to(cache.dtype)
+    """cache [num_pages, page_size, D] <- entries [B, N, D] at meta.slot_mapping (padding rows
+    land in the scratch page, never in a request's pages)."""
+    width = cache.shape[-1]
+    cache.view(-1, width)[meta.slot_mapping.flatten()] = entries.reshape(-1, width).to(cache.dtype)
 
 
 def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, scale: float, latent_dim: int) -> torch.Tensor:
@@ -58,6 +86,10 @@ def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, sc
     slots = torch.arange(length, device=q.device)
     pages = meta.block_table.long()[:, (slots // page_size).clamp_max(meta.block_table.shape[1] - 1)]
     keys = cache[pages, slots % page_size].to(q.dtype)  # [B, L, D]
+    # Slots past a request's prefix + valid rows are never seen; they may hold stale or NaN
+    # entries, and 0 x NaN would still poison the weighted sum below.
+    written = slots[None, :] < (meta.prefix_lens.long() + meta.num_rows.long())[:, None]
+    keys = keys.masked_fill(~written[..., None], 0.0)
     prefix = meta.prefix_lens.long()[:, None, None]
     j = slots[None, None, :] - prefix  # new-row index of each key, negative in the prefix
     word = meta.visibility.gather(2, (j.clamp(0, n - 1) // 64).expand(b, n, length))

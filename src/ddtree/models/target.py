@@ -103,9 +103,11 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward_prefill(self.input_layernorm(x), positions, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, float],
+                      router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), meta, cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Target(nn.Module):
@@ -142,27 +144,44 @@ class Target(nn.Module):
         return self.lm_head(self.norm(x)).float(), captured
 
     def new_cache(self, num_pages: int, page_size: int = 64, device=None, dtype=None) -> list[torch.Tensor]:
-        """One paged latent cache per layer: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]."""
+        """One paged latent cache per layer: [num_pages + 1, page_size, kv_lora_rank + qk_rope_head_dim].
+
+        Pages 0 .. num_pages - 1 are for requests; page num_pages (the last) is the scratch page
+        that padding rows write to (ForwardMeta.build's scratch_page) and that no request owns.
+        """
         dtype = dtype or self.embed_tokens.weight.dtype
         device = device or self.embed_tokens.weight.device
         width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
-        return [torch.zeros(num_pages, page_size, width, dtype=dtype, device=device) for _ in self.layers]
+        return [torch.zeros(num_pages + 1, page_size, width, dtype=dtype, device=device) for _ in self.layers]
 
     def forward_paged(
-        self, input_ids: torch.Tensor, meta: ForwardMeta, caches: list[torch.Tensor], hidden_layers: tuple[int, ...] = ()
+        self,
+        input_ids: torch.Tensor,
+        meta: ForwardMeta,
+        caches: list[torch.Tensor],
+        hidden_layers: tuple[int, ...] = (),
+        *,
+        logit_rows: torch.Tensor | None = None,
+        router_ids: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Prefill chunk, decode step or tree verify over the paged cache.
 
         input_ids int64 [B, N]: the new rows (for a tree: the root, then nodes in DraftTrees order).
-        Returns logits float32 [B, N, vocab] and the chosen layers' outputs [B, N, hidden].
+        logit_rows: optional int64 [B], the one row per request whose logits are wanted (a prefill
+                    chunk needs only its last); the others skip the final norm and lm_head.
+        router_ids: optional list; each MoE layer appends its expert ids int64 [B * N, k].
+        Returns logits float32 [B, N, vocab] ([B, 1, vocab] with logit_rows) and the chosen
+        layers' outputs [B, N, hidden].
         """
         rope = (self.inv_freq, self.rope_factor)
         x = self.embed_tokens(input_ids)
         captured = []
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x = layer.forward_paged(x, meta, cache, rope)
+            x = layer.forward_paged(x, meta, cache, rope, router_ids)
             if i in hidden_layers:
                 captured.append(x)
+        if logit_rows is not None:
+            x = x.gather(1, logit_rows.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
         return self.lm_head(self.norm(x)).float(), captured
 
     @torch.no_grad()

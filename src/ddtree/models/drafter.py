@@ -110,19 +110,28 @@ class DrafterAttention(nn.Module):
         k = rotate_half(self.k_norm(self.k_proj(x).view(shape)), positions, self.cfg.rope_theta)
         return k, self.v_proj(x).view(shape)
 
-    def forward(self, x, positions, ctx_k, ctx_v, ctx_len) -> torch.Tensor:
-        """Block x [B, S, hidden] attends (non-causally) to ctx_k/ctx_v [B, C, kv, d] (first
-        ctx_len [B] valid) and to itself."""
+    def forward(self, x, positions, k_cache, v_cache, ctx_len, key_limit: int | None = None) -> torch.Tensor:
+        """Block x [B, S, hidden] at positions [B, S] attends, non-causally, to the first
+        ctx_len [B] context entries of k_cache / v_cache [B, capacity, kv_heads, head_dim] and to
+        itself.
+
+        The block's own keys and values are written into the cache right after the context
+        (slots ctx_len .. ctx_len + S - 1, which the next append_context overwrites), so attention
+        reads the cache in place: nothing is concatenated. key_limit (>= max(ctx_len) + S, a
+        bound the caller knows) trims the keys read; None reads the whole capacity.
+        """
         cfg = self.cfg
         b, s, _ = x.shape
         q = rotate_half(self.q_norm(self.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim)), positions, cfg.rope_theta)
         k_blk, v_blk = self.project_kv(x, positions)
-        k = torch.cat([ctx_k, k_blk], 1).transpose(1, 2)
-        v = torch.cat([ctx_v, v_blk], 1).transpose(1, 2)
-        key_ids = torch.arange(ctx_k.shape[1] + s, device=x.device)[None, :]
-        seen = (key_ids < ctx_len[:, None]) | (key_ids >= ctx_k.shape[1])  # valid context, whole block
+        rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
+        k_cache[rows, positions] = k_blk.to(k_cache.dtype)
+        v_cache[rows, positions] = v_blk.to(v_cache.dtype)
+        limit = k_cache.shape[1] if key_limit is None else key_limit
+        k, v = k_cache[:, :limit].transpose(1, 2), v_cache[:, :limit].transpose(1, 2)  # views, no copy
+        seen = torch.arange(limit, device=x.device)[None, :] < (ctx_len + s)[:, None]  # context + whole block
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=seen[:, None, None, :], scale=cfg.head_dim**-0.5,
+            q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=seen[:, None, None, :], scale=cfg.head_dim**-0.5,
             enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -152,44 +161,50 @@ class Drafter(nn.Module):
         make = lambda: [torch.zeros(shape, device=device or w.device, dtype=dtype or w.dtype) for _ in self.layers]  # noqa: E731
         return DrafterCache(make(), make(), torch.zeros(batch, dtype=torch.long, device=device or w.device))
 
-    def append_context(self, cache: DrafterCache, features: torch.Tensor, counts: torch.Tensor, *, check: bool = True) -> None:
+    def append_context(self, cache: DrafterCache, features: torch.Tensor, counts: torch.Tensor, *, check: bool = True,
+                       rows: torch.Tensor | None = None) -> None:
         """Project newly committed tokens' target features [B, C, len(target_layer_ids) * hidden]
         (the first counts[b] valid) into every layer's cache at positions lengths .. lengths + C - 1.
 
         All C slots are written (static shapes, no data-dependent indexing): slots past
         lengths + counts hold garbage that attention never reads and the next append overwrites.
+        rows: optional int64 [B], the cache rows (request slots) to append to; default 0 .. B - 1.
         check: verify lengths + C fits the cache capacity (a host sync; off inside CUDA graphs).
         """
         b, c, _ = features.shape
-        if check and int(cache.lengths.max()) + c > cache.keys[0].shape[1]:
+        rows = torch.arange(b, device=features.device) if rows is None else rows
+        lengths = cache.lengths[rows]
+        if check and int(lengths.max()) + c > cache.keys[0].shape[1]:
             raise ValueError(f"drafter cache capacity {cache.keys[0].shape[1]} exceeded")
         ctx = self.hidden_norm(self.fc(features))
-        positions = cache.lengths[:, None] + torch.arange(c, device=features.device)
-        rows = torch.arange(b, device=features.device)[:, None].expand(b, c)
+        positions = lengths[:, None] + torch.arange(c, device=features.device)
+        row_index = rows[:, None].expand(b, c)
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
             k, v = layer.self_attn.project_kv(ctx, positions)
-            k_cache[rows, positions] = k.to(k_cache.dtype)
-            v_cache[rows, positions] = v.to(v_cache.dtype)
-        cache.lengths += counts.long()
+            k_cache[row_index, positions] = k.to(k_cache.dtype)
+            v_cache[row_index, positions] = v.to(v_cache.dtype)
+        cache.lengths.index_add_(0, rows, counts.long())
 
-    def forward(self, block_embeds: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+    def forward(self, block_embeds: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:
         """block_embeds [B, block_size, hidden]: the target's embeddings of [bonus, mask, ...];
         the block sits at positions lengths .. lengths + block_size - 1. Returns the normed hidden
-        states of the block [B, block_size, hidden]; slots 1.. predict the next block_size - 1 tokens."""
+        states of the block [B, block_size, hidden]; slots 1.. predict the next block_size - 1 tokens.
+        The cache needs block_size free slots past each request's context (DrafterAttention.forward);
+        key_limit: optional bound on max(lengths) + block_size, to read fewer keys."""
         positions = cache.lengths[:, None] + torch.arange(block_embeds.shape[1], device=block_embeds.device)
         x = block_embeds
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
-            x = x + layer.self_attn(layer.input_layernorm(x), positions, k_cache, v_cache, cache.lengths)
+            x = x + layer.self_attn(layer.input_layernorm(x), positions, k_cache, v_cache, cache.lengths, key_limit)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def draft_logits(self, target, bonus: torch.Tensor, cache: DrafterCache) -> torch.Tensor:
+    def draft_logits(self, target, bonus: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:
         """bonus int64 [B] (each request's carried-over token) -> float32 [B, block_size - 1, vocab]:
         the block [bonus, mask x (block_size - 1)] embedded by the target, the bonus in slot 0, and
         the target's lm_head over slots 1.., which predict the next block_size - 1 tokens."""
         block = torch.full((bonus.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
         block[:, 0] = bonus
-        hidden = self(target.embed_tokens(block), cache)
+        hidden = self(target.embed_tokens(block), cache, key_limit)
         return target.lm_head(hidden[:, 1:]).float()
 
 

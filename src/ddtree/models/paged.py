@@ -49,21 +49,28 @@ class ForwardMeta:
 
 def slot_mapping(block_table: torch.Tensor, prefix_lens: torch.Tensor, num_rows: torch.Tensor, rows: int,
                  page_size: int, scratch_page: int) -> torch.Tensor:
-    """int64 [B, rows]: flat cache slot of new row n of each request, at slot prefix_len + n.
+    """int64 [B, rows]: flat cache slot of new row n of each request (slot prefix_len + n);
+    padding rows (n >= num_rows) go to the scratch page."""
+    n = torch.arange(rows, device=prefix_lens.device).expand(prefix_lens.shape[0], rows)
+    return cache_slots(block_table, prefix_lens, n, n < num_rows.long()[:, None], page_size, scratch_page)
 
-    Padding rows (n >= num_rows), and any row whose page is not in the block table (-1, or past
-    its end), go to the scratch page instead: such a write must never land in a page another
-    request owns (a -1 read as an index would pick the last page). The engine reserves pages
-    before a round, so valid rows always have one.
+
+def cache_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, offsets: torch.Tensor, valid: torch.Tensor,
+                page_size: int, scratch_page: int) -> torch.Tensor:
+    """int64 [B, R]: flat slot (page * page_size + offset) of slot prefix_lens + offsets [B, R].
+
+    Entries where valid [B, R] is False, and any whose page is not in the block table (-1, or past
+    its end), point into the scratch page instead (offset r % page_size): such a write must never
+    land in a page another request owns (a -1 read as an index would pick the last page). The
+    engine reserves pages before a round, so valid rows always have one.
     """
-    device = prefix_lens.device
-    n = torch.arange(rows, device=device)
-    slots = prefix_lens.long()[:, None] + n  # [B, rows]
+    slots = prefix_lens.long()[:, None] + offsets.long()
     page_index = slots // page_size
-    in_table = page_index < block_table.shape[1]
-    pages = block_table.long().gather(1, page_index.clamp_max(block_table.shape[1] - 1))
-    valid = (n < num_rows.long()[:, None]) & in_table & (pages >= 0)
-    return torch.where(valid, pages * page_size + slots % page_size, scratch_page * page_size + n % page_size)
+    in_table = (page_index < block_table.shape[1]) & (slots >= 0)
+    pages = block_table.long().gather(1, page_index.clamp(0, block_table.shape[1] - 1))
+    keep = valid & in_table & (pages >= 0)
+    r = torch.arange(offsets.shape[1], device=offsets.device)
+    return torch.where(keep, pages * page_size + slots % page_size, scratch_page * page_size + r % page_size)
 
 
 def write_entries(cache: torch.Tensor, entries: torch.Tensor, meta: ForwardMeta) -> None:

@@ -1,0 +1,84 @@
+"""Device state of the running batch, one row per request slot.
+
+Every tensor has max_batch rows and stays where it is for the engine's life; a round reads and
+advances the first `bucket` rows in place (views, no gathers), so a round's shapes depend only on
+(bucket, budget) and it can be captured once per pair. Inactive slots inside a bucket are padding:
+they verify no rows, write only the scratch page and commit nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.drafter import DrafterCache
+
+
+@dataclass
+class SlotSettings:
+    """What a request puts in its slot at admission (host values)."""
+
+    node_limit: int  # tree nodes it may verify: 0 for ar, D for chain, budget for ddtree
+    chain: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+class BatchState:
+    """Per-slot device tensors ([max_batch] unless noted):
+
+    block_table   int32 [max_batch, pages_per_request], copied from the host's BlockManager
+    prefix_lens   int32   cache entries committed (the bonus token is not among them yet)
+    bonus         int64   the target's last choice: next round's root
+    active        bool    slot holds a running request
+    node_limit    int64   tree nodes the slot may verify (0 ar, D chain, budget ddtree)
+    chain         bool    keep only rank 0 at every depth (DFlash's argmax chain)
+    temperature   float32, top_k int64, top_p float32, seed int64: SamplingParams
+    drafter       DrafterCache [max_batch, capacity, kv_heads, head_dim] per layer, or None
+    """
+
+    def __init__(self, max_batch: int, pages_per_request: int, device: torch.device, drafter=None,
+                 drafter_capacity: int = 0):
+        def zeros(dtype, *shape):
+            return torch.zeros(shape or (max_batch,), dtype=dtype, device=device)
+
+        self.max_batch = max_batch
+        self.device = device
+        self.block_table = torch.full((max_batch, pages_per_request), -1, dtype=torch.int32, device=device)
+        self.prefix_lens = zeros(torch.int32)
+        self.bonus = zeros(torch.int64)
+        self.active = zeros(torch.bool)
+        self.node_limit = zeros(torch.int64)
+        self.chain = zeros(torch.bool)
+        self.temperature = zeros(torch.float32)
+        self.top_k = zeros(torch.int64)
+        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)
+        self.seed = zeros(torch.int64)
+        self.drafter = drafter.new_cache(max_batch, drafter_capacity) if drafter is not None else None
+
+    def occupy(self, slot: int, settings: SlotSettings) -> None:
+        """A request takes `slot`: its settings go in, its drafter context starts empty."""
+        self.node_limit[slot] = settings.node_limit
+        self.chain[slot] = settings.chain
+        self.temperature[slot] = settings.temperature
+        self.top_k[slot] = settings.top_k
+        self.top_p[slot] = settings.top_p
+        self.seed[slot] = settings.seed
+        self.prefix_lens[slot] = 0
+        if self.drafter is not None:
+            self.drafter.lengths[slot] = 0
+        self.active[slot] = True
+
+    def vacate(self, slot: int) -> None:
+        self.active[slot] = False
+        self.prefix_lens[slot] = 0
+        if self.drafter is not None:
+            self.drafter.lengths[slot] = 0
+
+    def drafter_view(self, bucket: int) -> DrafterCache:
+        """The first `bucket` slots of the drafter context (views: appends write through)."""
+        d = self.drafter
+        return DrafterCache([k[:bucket] for k in d.keys], [v[:bucket] for v in d.values], d.lengths[:bucket])

@@ -1,0 +1,56 @@
+"""The commit of a round: accepted tree rows' cache entries move to consecutive slots.
+
+Node i of a tree was verified at cache slot prefix + i, at rotary position prefix + depth(i). The
+accepted path's k-th node (depth k) belongs at slot prefix + k, where its position already puts
+it. Sources and destinations overlap (node 3 may move to slot 2 while node 2 moves to 1), so
+every layer gathers all moved entries before scattering any.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.paged import cache_slots
+
+
+def commit_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor,
+                 active: torch.Tensor, page_size: int, scratch_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat source and destination slots int64 [B * D] of the moves (path steps 1 .. D; the root,
+    step 0, is already in place). Steps past accept_len, and inactive requests, read and write
+    the scratch page.
+
+    block_table int32 [B, P], prefix_lens int32 [B], accepted int64 [B, D + 1] (row indices from
+    the root, -1 after), accept_len int64 [B], active bool [B].
+    """
+    steps = torch.arange(1, accepted.shape[1], device=accepted.device).expand(accepted.shape[0], -1)
+    move = active[:, None] & (steps < accept_len[:, None])
+    src = cache_slots(block_table, prefix_lens, accepted[:, 1:].clamp_min(0), move, page_size, scratch_page)
+    dst = cache_slots(block_table, prefix_lens, steps, move, page_size, scratch_page)
+    return src.flatten(), dst.flatten()
+
+
+def move_entries(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """In every layer's cache [pages, page_size, W]: gather the entries at src, then scatter them to dst."""
+    for cache in caches:
+        flat = cache.view(-1, cache.shape[-1])
+        moved = flat[src]  # a copy: the scatter below cannot clobber a source
+        flat[dst] = moved
+
+
+def commit_reference(caches: list[torch.Tensor], block_table: torch.Tensor, prefix_lens: torch.Tensor,
+                     accepted: torch.Tensor, accept_len: torch.Tensor, active: torch.Tensor) -> None:
+    """The same commit, one request and one entry at a time (the readable specification)."""
+    page_size = caches[0].shape[1]
+    for b in range(accepted.shape[0]):
+        if not bool(active[b]):
+            continue
+        prefix, n = int(prefix_lens[b]), int(accept_len[b])
+        path = [int(r) for r in accepted[b, :n]]
+
+        def at(slot: int) -> tuple[int, int]:
+            return int(block_table[b, slot // page_size]), slot % page_size
+
+        for cache in caches:
+            entries = [cache[at(prefix + row)].clone() for row in path]
+            for k, entry in enumerate(entries):
+                cache[at(prefix + k)] = entry

@@ -1,0 +1,275 @@
+"""Engine: requests in, committed tokens out. add_request / step / abort underneath, generate on top.
+
+One step admits waiting requests that fit (a free slot, pages for their worst case), prefills
+them, and runs one round for every request that was already running. The host waits for one
+small copy per round (the committed tokens); everything else stays on the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from ..models import Drafter, Target, load_drafter, load_target
+from ..tree.types import MAX_TRITON_BUDGET
+from .batch import BatchState, SlotSettings
+from .loading import default_num_pages, load_tokenizer, stop_token_ids
+from .pages import BlockManager, KVCacheFull, pages_for
+from .prefill import prefill
+from .request import MODES, Request, RequestOutput, StepOutput
+from .round import RoundContext, RoundPlan, result_width, run_round
+from .sampling import SamplingParams
+from .scheduling import batch_requests, generation_params, per_prompt_params
+from .timing import StageTimer
+
+
+class Engine:
+    def __init__(self, target: Target, drafter: Drafter | None = None, tokenizer=None, *, max_batch: int = 32,
+                 max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
+                 max_budget: int = 256, prefill_chunk: int = 512, stop_token_ids: tuple[int, ...] = (),
+                 time_stages: bool = True):
+        """target / drafter: loaded models on one device (drafter None: only mode "ar").
+        max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
+        num_pages: latent-cache pages of page_size slots (default: sized from memory);
+        max_budget: the largest tree budget a request may ask for."""
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.device = target.embed_tokens.weight.device
+        cfg = target.cfg
+        self.max_batch, self.page_size, self.prefill_chunk = max_batch, page_size, prefill_chunk
+        self.max_model_len = max_model_len or min(cfg.max_position_embeddings, 8192)
+        if not 1 <= max_budget <= MAX_TRITON_BUDGET:
+            raise ValueError(f"max_budget must be in [1, {MAX_TRITON_BUDGET}], got {max_budget}")
+        self.max_budget = max_budget
+        self.max_depth = drafter.cfg.block_size - 1 if drafter is not None else 0
+        width = pages_for(self.max_model_len + max(max_budget, self.max_depth) + 1, page_size)
+        num_pages = num_pages or default_num_pages(target, page_size, max_batch * width, self.device)
+        self.blocks = BlockManager(num_pages, page_size, max_batch, width)
+        self.caches = target.new_cache(num_pages, page_size)
+        capacity = self.max_model_len + max(prefill_chunk, self.max_depth + 1)
+        self.state = BatchState(max_batch, width, self.device, drafter, capacity)
+        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        self.ctx = RoundContext(target, drafter, self.caches, page_size, num_pages,
+                                drafter.cfg.target_layer_ids if drafter is not None else (), cfg.n_routed_experts)
+        self.moe_layers = len(moe_layers)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.timer = StageTimer(self.device, time_stages)
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}  # slot -> request
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, *, device=None,
+                        dtype: torch.dtype | None = None, trust_remote_code: bool = False, **engine_args) -> "Engine":
+        """Load target (+ tokenizer, + stop tokens) and drafter from Hugging Face directories.
+        device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        target = load_target(target_dir, dtype=dtype, device=device)
+        drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
+        tokenizer = load_tokenizer(target_dir, trust_remote_code)
+        if "stop_token_ids" not in engine_args:  # an explicit () means: no end-of-text tokens
+            engine_args["stop_token_ids"] = stop_token_ids(target_dir, tokenizer)
+        return cls(target, drafter, tokenizer, **engine_args)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the target directory has no tokenizer: pass prompts as lists of token ids")
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = list(prompt)
+        vocab = self.target.cfg.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"token ids must be ints in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *, mode: str = "ddtree",
+                    budget: int = 64, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Everything is checked here, before it can take a slot."""
+        params = (params or SamplingParams()).with_seed()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode != "ar" and self.drafter is None:
+            raise ValueError(f"mode {mode!r} needs a drafter; this engine has none (use mode='ar')")
+        if mode == "ddtree" and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= self.max_budget):
+            raise ValueError(f"budget must be an int in [1, max_budget={self.max_budget}], got {budget!r}")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len}")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        node_limit = {"ar": 0, "chain": self.max_depth, "ddtree": budget}[mode]
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
+        request = Request(request_id, ids, params, mode, budget, node_limit, stops, self.tokenizer)
+        worst = request.worst_rows()
+        if pages_for(worst, self.page_size) > min(self.blocks.num_pages, self.blocks.table.shape[1]):
+            raise KVCacheFull(f"request {request_id} may need {pages_for(worst, self.page_size)} KV pages "
+                              f"({worst} slots of {self.page_size}); the cache has num_pages={self.blocks.num_pages}")
+        if self.target.cfg.n_routed_experts:
+            request.stats.experts_touched = []
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request now: its slot and pages are free before this returns."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"no request {request_id!r}")
+        if request.slot is None:
+            self._waiting.remove(request)
+        else:
+            self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self._running.pop(request.slot)
+        self.blocks.free(request.slot)
+        self.state.vacate(request.slot)
+        request.slot = None
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Admit and prefill what fits, then one round for every running request (the new ones
+        included: every active slot of the batch takes part). Returns, per request, what it
+        committed in this step; finished requests have left the batch."""
+        outputs = {out.request_id: out for out in self._admit()}
+        if self._running:
+            for out in self._round([r for _, r in sorted(self._running.items())]):
+                first = outputs.get(out.request_id)
+                if first is not None:  # prefilled in this step: one output with both parts
+                    out = StepOutput(out.request_id, first.new_token_ids + out.new_token_ids,
+                                     None if out.new_text is None else first.new_text + out.new_text,
+                                     out.finished, out.finish_reason)
+                outputs[out.request_id] = out
+        return list(outputs.values())
+
+    def _admit(self) -> list[StepOutput]:
+        new = []
+        free_slots = sorted(set(range(self.max_batch)) - set(self._running))
+        while self._waiting and free_slots and self.blocks.can_admit(self._waiting[0].worst_rows()):
+            request = self._waiting.popleft()
+            request.slot = free_slots.pop(0)
+            self.blocks.admit(request.slot, request.worst_rows(), request.id)
+            p = request.params
+            self.state.occupy(request.slot, SlotSettings(request.node_limit, request.mode == "chain", p.temperature,
+                                                         p.top_k, p.top_p, p.seed))
+            self._running[request.slot] = request
+            new.append(request)
+        if not new:
+            return []
+        for request in new:
+            request.started = time.perf_counter()
+        self.blocks.reserve([(r.slot, len(r.prompt_ids), r.id) for r in new])
+        self.state.block_table.copy_(self.blocks.table, non_blocking=True)
+        sampled, filtered = generation_params([r.params for r in new])
+        self.timer.start()
+        first = prefill(self.ctx, self.state, [r.slot for r in new], [r.prompt_ids for r in new], self.prefill_chunk,
+                        any_sampled=sampled, any_filtered=filtered).tolist()
+        self.timer.mark("prefill")
+        seconds = self.timer.seconds().get("prefill", 0.0)
+        outputs = []
+        for request, token in zip(new, first):
+            request.prefix_len = len(request.prompt_ids)
+            request.stats.stage_seconds["prefill"] += seconds
+            outputs.append(self._emit(request, [token]))
+        return outputs
+
+    def _round(self, requests: list[Request]) -> list[StepOutput]:
+        plan = batch_requests(requests, self)
+        self.blocks.reserve([(r.slot, r.prefix_len + r.node_limit + 1, r.id) for r in requests])
+        self.state.block_table[: plan.bucket].copy_(self.blocks.table[: plan.bucket], non_blocking=True)
+        self.timer.start()
+        result = run_round(self.ctx, self.state, plan, self.max_depth, self.timer).tolist()  # the one sync
+        seconds = self.timer.seconds()
+        outputs = []
+        for request in requests:
+            row = result[request.slot]
+            accepted = row[0]
+            request.prefix_len += accepted
+            kept = request.commit(row[1 : 1 + accepted]) if not request.finished else []
+            stats = request.stats
+            stats.rounds += 1
+            stats.acceptance_lengths.append(len(kept))
+            for stage, s in seconds.items():
+                stats.stage_seconds[stage] += s
+            if stats.experts_touched is not None and plan.experts:
+                stats.experts_touched.append(row[2 + self.max_depth : 2 + self.max_depth + self.moe_layers])
+            outputs.append(self._finish_or_stream(request, kept))
+        return outputs
+
+    def _emit(self, request: Request, tokens: list[int]) -> StepOutput:
+        kept = request.commit(tokens)
+        return self._finish_or_stream(request, kept)
+
+    def _finish_or_stream(self, request: Request, kept: list[int]) -> StepOutput:
+        out = request.step_output(kept)
+        if request.finished:
+            self._release(request)
+        return out
+
+    # -- generate ------------------------------------------------------------------------------
+
+    def generate(self, prompts: list, max_new_tokens=128, mode: str = "ddtree", budget=64, temperature=0.0,
+                 top_p=1.0, top_k=0, seed=None, stop=None, *, progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (strings, or lists of token ids); any setting may be a list
+        with one value per prompt. Returns one RequestOutput per prompt, in order."""
+        per_request = per_prompt_params(len(prompts), max_new_tokens=max_new_tokens, temperature=temperature,
+                                                top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        modes = mode if isinstance(mode, list) else [mode] * len(prompts)
+        budgets = budget if isinstance(budget, list) else [budget] * len(prompts)
+        if len(modes) != len(prompts) or len(budgets) != len(prompts):
+            raise ValueError(f"mode and budget lists must have one entry per prompt ({len(prompts)})")
+        ids = []
+        try:
+            for prompt, params, m, b in zip(prompts, per_request, modes, budgets):
+                ids.append(self.add_request(prompt, params, mode=m, budget=b))
+        except Exception:
+            for request_id in ids:  # all or nothing: no half-queued batch is left behind
+                self.abort(request_id)
+            raise
+        bar = _progress(len(ids)) if progress else None
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self.take_result(request_id) for request_id in ids]
+
+    def take_result(self, request_id: str) -> RequestOutput:
+        """The output of a finished request; the engine forgets it afterwards."""
+        request = self._requests.get(request_id)
+        if request is None or not request.finished:
+            raise KeyError(f"no finished request {request_id!r}")
+        return self._requests.pop(request_id).result()
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

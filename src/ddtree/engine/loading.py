@@ -1,0 +1,49 @@
+"""What Engine.from_pretrained reads besides the weights: tokenizer, stop tokens, cache sizing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """transformers' AutoTokenizer for a model directory, or None when it holds no tokenizer files."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES) and not list(path.glob("tokenization_*.py")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def stop_token_ids(path: str | Path, tokenizer=None) -> tuple[int, ...]:
+    """End-of-text ids: generation_config.json's eos_token_id, else config.json's, else the tokenizer's."""
+    path = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (int(tokenizer.eos_token_id),)
+    return ()
+
+
+def default_num_pages(target, page_size: int, max_pages_useful: int, device: torch.device,
+                      memory_fraction: float = 0.85, cpu_bytes: int = 2 << 30) -> int:
+    """Pages for the latent cache: at most what max_batch full-length requests can use; on CUDA,
+    memory_fraction of the free memory (after weights), on the CPU at most cpu_bytes."""
+    cfg = target.cfg
+    element = target.embed_tokens.weight.element_size()
+    page_bytes = cfg.num_hidden_layers * page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * memory_fraction)
+    else:
+        budget = cpu_bytes
+    return max(1, min(max_pages_useful, budget // page_bytes - 1))  # one page is the scratch page

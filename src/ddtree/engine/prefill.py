@@ -1,0 +1,55 @@
+"""Prefill: a batch of new prompts into the paged cache, in chunks of bounded size.
+
+Chunk c verifies rows c * chunk .. (c + 1) * chunk - 1 of every prompt still that long, causally
+over the part already in the cache. Only each prompt's last row goes through the lm_head. The
+hidden states of the drafter's target layers are appended to its context for every prompt token,
+and the target's choice after the last row is the first generated token (the first bonus).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.paged import ForwardMeta
+from .batch import BatchState
+from .round import RoundContext, causal_visibility
+from .sampling import choose_tokens
+
+
+def prefill(ctx: RoundContext, state: BatchState, slots: list[int], prompts: list[list[int]], chunk: int,
+            *, any_sampled: bool, any_filtered: bool) -> torch.Tensor:
+    """Fill the cache of `slots` with `prompts` (token ids, each >= 1 long) and choose each first
+    token; returns int64 [len(slots)] on the device (also stored as the slots' bonus)."""
+    device = state.bonus.device
+    lengths = [len(p) for p in prompts]
+    last_logits: list[torch.Tensor | None] = [None] * len(slots)
+    for start in range(0, max(lengths), chunk):
+        part = [i for i, n in enumerate(lengths) if n > start]  # prompts that reach this chunk
+        rows = min(chunk, max(lengths[i] for i in part) - start)
+        counts = [min(rows, lengths[i] - start) for i in part]
+        ids = torch.zeros(len(part), rows, dtype=torch.int64)
+        for j, i in enumerate(part):
+            ids[j, : counts[j]] = torch.tensor(prompts[i][start : start + counts[j]])
+        ids = ids.to(device)
+        part_slots = torch.tensor([slots[i] for i in part], device=device)
+        num_rows = torch.tensor(counts, dtype=torch.int32, device=device)
+        prefix = torch.full((len(part),), start, dtype=torch.int32, device=device)
+        positions = start + torch.arange(rows, device=device).expand(len(part), rows)
+        visibility = causal_visibility(rows, device).expand(len(part), -1, -1)
+        meta = ForwardMeta.build(state.block_table[part_slots], prefix, num_rows, positions, visibility,
+                                 page_size=ctx.page_size, scratch_page=ctx.scratch_page)
+        layers = ctx.feature_layers if ctx.drafter is not None else ()
+        logits, hidden = ctx.target.forward_paged(ids, meta, ctx.caches, layers, logit_rows=(num_rows - 1).long())
+        if ctx.drafter is not None:
+            ctx.drafter.append_context(state.drafter, torch.cat(hidden, -1), num_rows.long(), check=False, rows=part_slots)
+        for j, i in enumerate(part):
+            if start + counts[j] == lengths[i]:
+                last_logits[i] = logits[j, 0]
+    logits = torch.stack(last_logits)[:, None]  # [B, 1, V]
+    slot_ids = torch.tensor(slots, device=device)
+    positions = torch.tensor(lengths, device=device)[:, None]  # the first new token's position
+    first = choose_tokens(logits, positions, state.temperature[slot_ids], state.top_k[slot_ids], state.top_p[slot_ids],
+                          state.seed[slot_ids], any_sampled=any_sampled, any_filtered=any_filtered)[:, 0]
+    state.prefix_lens[slot_ids] = positions[:, 0].int()
+    state.bonus[slot_ids] = first
+    return first

@@ -1,0 +1,114 @@
+"""A request's life on the host: its settings, committed tokens, stop checks and statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+from .text import TextStream
+from .timing import STAGES
+
+MODES = ("ar", "chain", "ddtree")
+
+
+@dataclass
+class GenerationStats:
+    """rounds: rounds after the prefill; acceptance_lengths: tokens committed per round (accepted
+    nodes + the bonus; 1 in ar), so 1 + sum == len(token_ids); tokens_per_s: generated tokens over
+    the time from the request's prefill to its end; stage_seconds: time of the rounds it took part
+    in, per stage (a batched round's time counts for each of its requests); experts_touched: per
+    round, per MoE layer, the distinct routed experts its verify rows touched (None without MoE)."""
+
+    rounds: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    experts_touched: list[list[int]] | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """The result of one finished request: new tokens only (a stop token included), the text
+    (None without a tokenizer; stop strings cut out), why it ended, its seed and statistics."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" or "length"
+    seed: int
+    stats: GenerationStats
+
+
+@dataclass
+class StepOutput:
+    """What one step committed for one request: the tokens, the text delta, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str | None
+    finished: bool
+    finish_reason: str | None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: str, budget: int,
+                 node_limit: int, stop_ids: frozenset[int], tokenizer):
+        self.id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.mode = mode
+        self.budget = budget
+        self.node_limit = node_limit
+        self.stop_ids = stop_ids
+        self.text = TextStream(tokenizer, params.stop) if tokenizer is not None else None
+        self.output: list[int] = []
+        self.slot: int | None = None
+        self.prefix_len = 0  # host mirror of the cache's committed entries
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats()
+        self.started = 0.0
+        self.ended = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def worst_rows(self) -> int:
+        """The most cache slots this request can ever need: its longest prefix before the last
+        round (prompt + max_new_tokens - 1) plus one verify's rows (node_limit + 1)."""
+        return len(self.prompt_ids) + self.params.max_new_tokens + self.node_limit
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append tokens committed by the target, stopping at a stop token, a stop string or
+        max_new_tokens; returns the tokens kept (the rest of the path is discarded)."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            self.output.append(token)
+            hit_string = self.text.add(token) if self.text is not None else False
+            if token in self.stop_ids or hit_string:
+                self.finish_reason = "stop"
+            elif len(self.output) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finished:
+                self.ended = time.perf_counter()
+                break
+        return kept
+
+    def step_output(self, kept: list[int]) -> StepOutput:
+        delta = self.text.delta(final=self.finished) if self.text is not None else None
+        return StepOutput(self.id, kept, delta, self.finished, self.finish_reason)
+
+    def result(self) -> RequestOutput:
+        elapsed = self.ended - self.started
+        self.stats.tokens_per_s = len(self.output) / elapsed if elapsed > 0 else 0.0
+        text = self.text.text if self.text is not None else None
+        return RequestOutput(self.id, self.prompt_ids, list(self.output), text, self.finish_reason, self.params.seed,
+                             self.stats)

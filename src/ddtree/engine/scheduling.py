@@ -1,0 +1,71 @@
+"""Host-side choices for a step: the round's plan from its requests, and per-prompt settings."""
+
+from __future__ import annotations
+
+from .request import Request
+from .round import RoundPlan
+from .sampling import SamplingParams
+
+
+def bucket_for(slots_used: int, max_batch: int) -> int:
+    """The batch size a round runs at: the next power of two >= slots_used, at most max_batch."""
+    bucket = 1
+    while bucket < slots_used:
+        bucket *= 2
+    return min(bucket, max_batch)
+
+
+def generation_params(params: list[SamplingParams]) -> tuple[bool, bool]:
+    """(some request samples, some request cuts by top-k / top-p)."""
+    sampled = [p for p in params if p.temperature > 0]
+    return bool(sampled), any(p.top_k > 0 or p.top_p < 1 for p in sampled)
+
+
+def batch_requests(requests: list[Request], engine) -> RoundPlan:
+    """The plan of one round over `requests` (each in its slot)."""
+    bucket = bucket_for(max(r.slot for r in requests) + 1, engine.max_batch)
+    budget = max(r.node_limit for r in requests)
+    trees = [r.budget for r in requests if r.mode == "ddtree"]
+    k = min(max(trees), engine.target.cfg.vocab_size) if trees else 1
+    sampled, filtered = generation_params([r.params for r in requests])
+    key_limit = None
+    if budget > 0:  # the drafter runs: read keys up to the longest context + its block, page-rounded
+        block = engine.max_depth + 1
+        longest = max(r.prefix_len for r in requests) + block
+        capacity = engine.state.drafter.keys[0].shape[1]
+        key_limit = min(capacity, -(-longest // 64) * 64)
+    return RoundPlan(bucket=bucket, budget=budget, k=k if budget else 0, any_sampled=sampled, any_filtered=filtered,
+                     key_limit=key_limit, features=budget > 0, experts=engine.moe_layers > 0)
+
+
+def per_prompt_params(count: int, *, max_new_tokens, temperature, top_p, top_k, seed, stop) -> list[SamplingParams]:
+    """SamplingParams for `count` prompts; each setting is one value for all or a list of `count`.
+
+    stop: None, a string, or a list of strings and token ids (ints); per prompt, a list of those.
+    """
+    def spread(name: str, value, is_list) -> list:
+        if is_list(value):
+            if len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+            return list(value)
+        return [value] * count
+
+    plain_list = lambda v: isinstance(v, (list, tuple))  # noqa: E731
+    per_stop = lambda v: isinstance(v, (list, tuple)) and any(isinstance(s, (list, tuple)) or s is None for s in v)  # noqa: E731
+    columns = {
+        "max_new_tokens": spread("max_new_tokens", max_new_tokens, plain_list),
+        "temperature": spread("temperature", temperature, plain_list),
+        "top_p": spread("top_p", top_p, plain_list),
+        "top_k": spread("top_k", top_k, plain_list),
+        "seed": spread("seed", seed, plain_list),
+        "stop": spread("stop", stop, per_stop),
+    }
+    out = []
+    for i in range(count):
+        row = {name: values[i] for name, values in columns.items()}
+        stops = row.pop("stop")
+        stops = [] if stops is None else [stops] if isinstance(stops, str) else list(stops)
+        strings = tuple(s for s in stops if isinstance(s, str))
+        token_ids = tuple(s for s in stops if not isinstance(s, str))
+        out.append(SamplingParams(**row, stop=strings, stop_token_ids=token_ids))
+    return out

@@ -1,0 +1,152 @@
+"""The request interface: add_request / step / abort, stops cut inside an accepted path, text
+and streaming, statistics, and errors that name what was wrong."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ddtree import Engine, SamplingParams  # noqa: E402
+from ddtree.engine import KVCacheFull  # noqa: E402
+from ddtree.engine.oracle import OracleDrafter  # noqa: E402
+from ddtree.models import load_drafter, load_target  # noqa: E402
+
+from .pairs import EOS, make_pair  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target_dir, drafter_dir, _ = make_pair(tmp_path_factory.mktemp("pair"), tokenizer=True, block_size=8, eos_token_id=EOS)
+    return target_dir, drafter_dir
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    return Engine.from_pretrained(*pair, device="cpu", page_size=8, max_batch=4, max_model_len=256)
+
+
+def _oracle_engine(pair, text_prompt, continuation_len=40):
+    """An engine whose drafter proposes ar's continuation of `text_prompt`: long accepted paths."""
+    target_dir, drafter_dir = pair
+    plain = Engine.from_pretrained(target_dir, drafter_dir, device="cpu", page_size=8, stop_token_ids=())
+    prompt_ids = plain.tokenize(text_prompt)
+    ar = plain.generate([prompt_ids], max_new_tokens=continuation_len, mode="ar")[0].token_ids
+    target = plain.target
+    oracle = OracleDrafter(load_drafter(drafter_dir, target), max_batch=4, max_len=128)
+    oracle.set_sequence(0, prompt_ids + ar)
+    return Engine(target, oracle, plain.tokenizer, page_size=8, max_batch=4, stop_token_ids=()), ar
+
+
+def test_text_prompts_stream_and_decode(engine):
+    rid = engine.add_request("def fib(n):", SamplingParams(max_new_tokens=12), mode="ddtree", budget=8)
+    streamed, tokens = "", []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rid
+            tokens += out.new_token_ids
+            streamed += out.new_text
+    result = engine.take_result(rid)
+    assert result.token_ids == tokens and streamed == result.text
+    assert result.text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert result.finish_reason in ("stop", "length") and len(tokens) <= 12
+
+
+def test_max_new_tokens_and_stop_tokens_cut_inside_an_accepted_path(pair):
+    engine, ar = _oracle_engine(pair, "x = [")
+    out = engine.generate(["x = ["], max_new_tokens=5, mode="chain")[0]
+    assert out.token_ids == ar[:5] and out.finish_reason == "length"
+    assert out.stats.acceptance_lengths == [4]  # the round accepted 8 and kept the 4 that fit
+    stop_at = 9
+    out = engine.generate(["x = ["], max_new_tokens=40, mode="ddtree", budget=16, stop=[ar[stop_at]])[0]
+    first = ar.index(ar[stop_at])
+    assert out.token_ids == ar[: first + 1] and out.finish_reason == "stop"  # the stop token is included
+
+
+def test_stop_strings_end_the_text_before_them(pair):
+    engine, ar = _oracle_engine(pair, "x = [")
+    text = engine.tokenizer.decode(ar)
+    stop = text[6:8]
+    out = engine.generate(["x = ["], max_new_tokens=40, mode="ddtree", budget=16, stop=stop)[0]
+    cut = text.find(stop)
+    assert out.text == text[:cut] and out.finish_reason == "stop"
+    assert engine.tokenizer.decode(out.token_ids).endswith(stop)  # tokens run through the stop string
+
+
+def test_abort_frees_slot_and_pages_at_once(engine):
+    free = engine.blocks.num_free
+    a = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=50), mode="ddtree", budget=8)
+    b = engine.add_request([8, 9], SamplingParams(max_new_tokens=6), mode="chain")
+    engine.step()
+    assert engine.num_running == 2 and engine.blocks.num_free < free
+    engine.abort(a)
+    assert engine.num_running == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.take_result(b).finish_reason in ("stop", "length")
+    assert engine.blocks.num_free == free and engine.blocks.num_promised == 0
+    with pytest.raises(KeyError, match="no request"):
+        engine.abort(a)
+    queued = engine.add_request([1, 2], SamplingParams(max_new_tokens=3))
+    engine.abort(queued)  # still waiting: leaves the queue
+    assert not engine.has_unfinished()
+
+
+def test_more_requests_than_slots_wait_their_turn(engine):
+    outs = engine.generate([[i + 1, i + 2] for i in range(9)], max_new_tokens=6, mode="ddtree", budget=4)
+    assert len(outs) == 9 and all(1 <= len(o.token_ids) <= 6 for o in outs)
+    assert engine.blocks.num_free == engine.blocks.num_pages
+
+
+def test_stats_count_experts_and_stages(engine):
+    out = engine.generate([[3, 1, 4, 1, 5]], max_new_tokens=10, mode="ar")[0]
+    cfg = engine.target.cfg
+    assert all(t == [cfg.num_experts_per_tok] * 2 for t in out.stats.experts_touched)  # one row: k experts a layer
+    tree = engine.generate([[3, 1, 4, 1, 5]], max_new_tokens=10, mode="ddtree", budget=32)[0]
+    assert len(tree.stats.experts_touched) == tree.stats.rounds
+    assert max(max(t) for t in tree.stats.experts_touched) > cfg.num_experts_per_tok  # 33 rows touch more
+    assert all(c <= cfg.n_routed_experts for t in tree.stats.experts_touched for c in t)
+    assert set(tree.stats.stage_seconds) == {"prefill", "draft", "topk", "build", "verify", "accept", "commit"}
+    assert tree.stats.stage_seconds["verify"] > 0 and tree.stats.tokens_per_s > 0
+
+
+def test_drafter_context_tracks_the_committed_prefix(engine):
+    rid = engine.add_request([4, 5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True), mode="ddtree", budget=8)
+    for _ in range(4):
+        engine.step()
+        request = engine._requests[rid]
+        slot = request.slot
+        assert int(engine.state.drafter.lengths[slot]) == int(engine.state.prefix_lens[slot]) == request.prefix_len
+        assert request.prefix_len == 4 + len(request.output) - 1  # the bonus is not in the cache yet
+    engine.abort(rid)
+
+
+def test_bad_requests_are_refused_before_they_queue(engine):
+    cases = [
+        (dict(prompt=[]), "prompt is empty"),
+        (dict(prompt=[1, 96]), r"token ids must be ints in \[0, 96\)"),
+        (dict(prompt=[1], mode="beam"), "mode must be one of"),
+        (dict(prompt=[1], budget=0), r"budget must be an int in \[1, max_budget=256\]"),
+        (dict(prompt=[1] * 250, params=SamplingParams(max_new_tokens=10)), "exceeds max_model_len=256"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(kwargs.pop("prompt"), **kwargs)
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(engine.target, None, page_size=8).add_request([1], mode="chain")
+
+
+def test_a_request_larger_than_the_cache_is_named(pair):
+    target = load_target(pair[0], dtype=torch.float32)
+    small = Engine(target, None, page_size=8, num_pages=4, max_model_len=256)
+    with pytest.raises(KVCacheFull, match=r"request big may need 5 KV pages .* num_pages=4"):
+        small.add_request([1] * 20, SamplingParams(max_new_tokens=20), mode="ar", request_id="big")
+    assert small.generate([[1, 2]], max_new_tokens=4, mode="ar")[0].token_ids  # still serves what fits
+
+
+def test_generate_is_all_or_nothing(engine):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate([[1, 2], []], max_new_tokens=4)
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="temperature has 1 entries for 2 prompts"):
+        engine.generate([[1], [2]], temperature=[0.5])

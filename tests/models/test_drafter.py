@@ -143,3 +143,22 @@ def test_draft_logits_put_the_bonus_in_slot_0(tmp_path):
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
     moved = m.draft_logits(target, torch.tensor([17, 5]), cache)  # the bonus matters
     assert not torch.allclose(moved[0], got[0])
+
+
+@torch.no_grad()
+def test_context_is_read_in_place_and_appends_reach_chosen_rows():
+    """append_context(rows=...) writes only the named slots; the block's keys land after the
+    context (no concatenation), and a key_limit that covers the block gives the same output."""
+    m = _random_drafter(seed=4)
+    gen = torch.Generator().manual_seed(5)
+    cache = m.new_cache(3, 32)
+    feats = torch.randn(2, 6, 128, generator=gen)
+    m.append_context(cache, feats, torch.tensor([6, 4]), rows=torch.tensor([2, 0]))
+    assert cache.lengths.tolist() == [4, 0, 6]
+    assert torch.equal(cache.keys[0][1], torch.zeros_like(cache.keys[0][1]))  # slot 1 untouched
+    block = torch.randn(3, 4, 64, generator=gen)
+    full = m(block, cache)
+    trimmed = m(block, cache, key_limit=10)  # max length 6 + block 4
+    torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-5)
+    want = dflash_reference(m, feats[0], block[2])
+    torch.testing.assert_close(full[2].double(), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,145 @@
+"""`ddtree generate`: stream completions from a target + drafter pair, then their statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddtree", description="DDTree speculative decoding for MLA mixture-of-experts models.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
+    gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer)")
+    gen.add_argument("--target", required=True, help="target model directory (config.json + safetensors)")
+    gen.add_argument("--drafter", help="DFlash drafter directory (needed for --mode chain / ddtree)")
+    gen.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree")
+    gen.add_argument("--budget", type=_positive(int), default=64, help="tree nodes per round (ddtree)")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=_positive(int), default=128)
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    gen.add_argument("--max-batch", type=_positive(int), default=32)
+    gen.add_argument("--max-model-len", type=_positive(int), default=None)
+    gen.add_argument("--num-pages", type=_positive(int), default=None)
+    gen.add_argument("--page-size", type=_positive(int), default=64)
+    gen.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
+    parser.epilog = "Errors are one line on stderr; DDTREE_TRACEBACK=1 shows the traceback instead."
+    return parser
+
+
+def _stats_line(out) -> str:
+    s = out.stats
+    stages = ", ".join(f"{name} {s.stage_seconds[name] * 1e3:.1f}" for name in STAGE_ORDER)
+    return (f"[{out.request_id}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.rounds} rounds, "
+            f"mean acceptance length {s.mean_acceptance_length:.2f}, {s.tokens_per_s:.1f} tokens/s; "
+            f"ms per stage: {stages}")
+
+
+def _record(out) -> dict:
+    s = out.stats
+    return {"request_id": out.request_id, "text": out.text, "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason, "seed": out.seed,
+            "stats": {"rounds": s.rounds, "acceptance_lengths": s.acceptance_lengths,
+                      "mean_acceptance_length": s.mean_acceptance_length, "tokens_per_s": s.tokens_per_s,
+                      "stage_seconds": s.stage_seconds, "experts_touched": s.experts_touched}}
+
+
+def generate(args) -> None:
+    import torch
+
+    from .engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(
+        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
+        num_pages=args.num_pages, page_size=args.page_size)
+    if engine.tokenizer is None:
+        raise ValueError(f"{args.target} has no tokenizer: text prompts cannot be encoded")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
+    ids = [engine.add_request(p, params, mode=args.mode, budget=args.budget) for p in args.prompts]
+    # All prompts run as one batch; the text streams in prompt order (later prompts are shown
+    # from a buffer once the ones before them have finished).
+    buffered = {rid: "" for rid in ids}
+    done: set[str] = set()
+    shown = 0
+
+    def show() -> None:
+        nonlocal shown
+        while shown < len(ids):
+            rid = ids[shown]
+            if not args.json and buffered[rid]:
+                sys.stdout.write(buffered[rid])
+                sys.stdout.flush()
+                buffered[rid] = ""
+            if rid not in done:
+                return
+            out = engine.take_result(rid)
+            if args.json:
+                print(json.dumps(_record(out)), flush=True)
+            else:
+                sys.stdout.write("\n")
+                print(_stats_line(out), file=sys.stderr, flush=True)
+            shown += 1
+            if shown < len(ids) and not args.json:
+                sys.stdout.write(args.prompts[shown])
+
+    if not args.json:
+        sys.stdout.write(args.prompts[0])
+    while engine.has_unfinished():
+        for out in engine.step():
+            buffered[out.request_id] += out.new_text or ""
+            if out.finished:
+                done.add(out.request_id)
+        show()
+    show()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate" and args.mode != "ar" and args.drafter is None:
+        sys.stderr.write(f"ddtree generate: error: --mode {args.mode} needs --drafter DIR (or use --mode ar)\n")
+        return 2
+    try:
+        if args.command == "generate":
+            generate(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError, NotImplementedError, RuntimeError, KeyError) as err:
+        if os.environ.get("DDTREE_TRACEBACK"):
+            raise
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"ddtree: error: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""`ddtree generate`: streamed text and statistics, --json records, and one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ddtree.cli import main  # noqa: E402
+
+from .pairs import EOS, make_pair  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target_dir, drafter_dir, _ = make_pair(tmp_path_factory.mktemp("cli"), tokenizer=True, eos_token_id=EOS)
+    return str(target_dir), str(drafter_dir)
+
+
+def test_streams_text_then_statistics(pair, capsys):
+    target, drafter = pair
+    rc = main(["generate", "--target", target, "--drafter", drafter, "--device", "cpu", "--max-new-tokens", "12",
+               "--budget", "8", "def f(x):", "import os"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("def f(x):") and lines[1].startswith("import os")
+    assert err.count("mean acceptance length") == 2 and "ms per stage: prefill" in err
+
+
+def test_json_records_equal_across_modes(pair, capsys):
+    target, drafter = pair
+    records = {}
+    for mode in ("ar", "ddtree"):
+        assert main(["generate", "--target", target, "--drafter", drafter, "--device", "cpu", "--json", "--mode", mode,
+                     "--max-new-tokens", "10", "--temperature", "0.8", "--seed", "3", "hello", "world"]) == 0
+        records[mode] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in records["ar"]] == [r["token_ids"] for r in records["ddtree"]]
+    first = records["ddtree"][0]
+    assert first["seed"] == 3 and first["finish_reason"] in ("stop", "length") and isinstance(first["text"], str)
+    assert 1 + sum(first["stats"]["acceptance_lengths"]) == len(first["token_ids"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--target", "/nonexistent/dir", "--mode", "ar", "x"], "ddtree: error: no config.json in /nonexistent/dir"),
+    (["--target", "{target}", "--budget", "x", "p"], "argument --budget: invalid int value: 'x'"),
+    (["--target", "{target}", "--max-new-tokens", "0", "p"], "argument --max-new-tokens: must be > 0"),
+    (["--target", "{target}", "p"], "--mode ddtree needs --drafter DIR"),
+    (["--target", "{target}", "--drafter", "{drafter}", "--device", "cpu", "--top-p", "2", "p"], "top_p must be in (0, 1]"),
+    (["--target", "{target}", "--drafter", "{target}", "--device", "cpu", "p"], "drafter config.json lacks"),
+    (["--target", "{target}", "--drafter", "{drafter}", "--device", "cpu", "--max-model-len", "16", "x" * 40],
+     "exceeds max_model_len=16"),
+])
+def test_errors_are_one_line(pair, argv, message, capsys):
+    target, drafter = pair
+    argv = [a.format(target=target, drafter=drafter) for a in argv]
+    try:
+        rc = main(["generate", *argv])
+    except SystemExit as stop:  # argparse's own errors
+        rc = stop.code
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_python_dash_m_runs_the_same_command(pair):
+    target, _ = pair
+    run = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--target", target, "--device", "cpu",
+                          "--mode", "ar", "--max-new-tokens", "4", "--json", "abc"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert len(json.loads(run.stdout)["token_ids"]) <= 4
+    bad = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--target", "/nonexistent", "--mode", "ar", "x"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip() == "ddtree: error: no config.json in /nonexistent"

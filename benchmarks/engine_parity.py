@@ -10,7 +10,9 @@ budget + 1 rows against ar's one-row decode) and as an oracle proposing ar's own
 GPU is the control.
 
 A divergence at generated token j is a near-tie when the two tokens' float32 logits (plain causal
-prefill of prompt + ar[:j]) differ by less than the bf16 forward's own error on those two logits.
+prefill of prompt + ar[:j]) differ by at most twice the bf16 forwards' own error on those two
+logits (plain prefill, and the engine's paged prefill + one-row decode); otherwise a router flip
+when bf16 and float32 send some token of that sequence to different experts; otherwise unexplained.
 """
 
 from __future__ import annotations
@@ -31,15 +33,18 @@ from common import environment, markdown_table, write_results  # noqa: E402
 
 from ddtree import Engine  # noqa: E402
 from ddtree.engine.oracle import OracleDrafter  # noqa: E402
-from ddtree.models import Drafter, DrafterConfig, TargetConfig, random_target  # noqa: E402
+from ddtree.models import Drafter, DrafterConfig, ForwardMeta, TargetConfig, random_target  # noqa: E402
+from ddtree.tree import pack_visibility  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-def build_pair(config: str, layers: int, logit_std: float, device: str, dtype=torch.bfloat16):
+def build_pair(config: str, layers: int, logit_std: float, device: str, dense: bool, dtype=torch.bfloat16):
     path = Path(config) if config.endswith(".json") else CONFIGS / f"{config}.json"
     raw = json.loads(path.read_text())
     raw["num_hidden_layers"] = layers
+    if dense:
+        raw["n_routed_experts"] = 0
     cfg = TargetConfig.from_dict(raw)
     target = random_target(cfg, dtype=dtype, device=device, seed=0)
     with torch.no_grad():
@@ -66,16 +71,68 @@ def float_copy(model):
     return copy.deepcopy(model).float()
 
 
+def _router_choices(model, ids) -> list[torch.Tensor]:
+    """Each MoE layer's expert ids [T, k] (sorted) for a plain causal forward of ids [1, T]."""
+    seen, hooks = [], []
+    for layer in model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(lambda _m, _i, out: seen.append(out[1].sort(-1).values)))
+    try:
+        logits = model.logits(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, seen
+
+
+def decode_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [V]: the engine's own path to the next-token logits of ids [1, T]: a paged prefill of
+    T - 1 tokens (the tree kernel in bf16), then a one-row decode step over the paged cache."""
+    page, t = 64, ids.shape[1]
+    pages = -(-t // page)
+    caches = model.new_cache(pages, page)
+    table = torch.arange(pages, dtype=torch.int32, device=ids.device)[None]
+
+    def forward(rows: torch.Tensor, start: int):
+        n = rows.shape[1]
+        seen = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        meta = ForwardMeta.build(table, torch.tensor([start], dtype=torch.int32, device=ids.device),
+                                 torch.tensor([n], dtype=torch.int32, device=ids.device),
+                                 start + torch.arange(n, device=ids.device)[None], pack_visibility(seen)[None],
+                                 page_size=page, scratch_page=pages)
+        return model.forward_paged(rows, meta, caches)[0]
+
+    if t > 1:
+        forward(ids[:, :-1], 0)
+    return forward(ids[:, -1:], t - 1)[0, -1]
+
+
 @torch.no_grad()
 def classify(target32, target16, prompt, ar, tree, j):
-    """Float32 gap between the two tokens at the first divergence j, and bf16's error on them."""
+    """At the first divergence j: the float32 gap between the two tokens, bf16's own error on them
+    (the larger of a plain causal prefill's and the engine's paged decode path's, on prompt + ar[:j],
+    against the float32 prefill), which token float32 prefers, and
+    whether bf16 and float32 route any token of that sequence to different experts.
+
+    near-tie: the gap is within twice bf16's error. router flip: routing is discrete, so a bf16
+    rounding that reorders two router scores changes an expert and moves the logits by far more
+    than rounding; two bf16 execution paths (decode vs verify shapes) differ the same way.
+    """
     ids = torch.tensor([prompt + ar[:j]], device=target16.embed_tokens.weight.device)
-    l32 = target32.logits(ids)[0, -1]
-    l16 = target16.logits(ids)[0, -1].float()
+    l32, r32 = _router_choices(target32, ids)
+    l16, r16 = _router_choices(target16, ids)
+    l32, l16 = l32[0, -1], l16[0, -1].float()
+    paged16 = decode_logits(target16, ids)
     a, b = ar[j], tree[j]
     gap = abs(float(l32[a] - l32[b]))
-    err = max(abs(float(l32[a] - l16[a])), abs(float(l32[b] - l16[b])))
-    return {"index": j, "ar_token": a, "tree_token": b, "fp32_gap": gap, "bf16_error": err, "near_tie": gap <= 2 * err}
+    err = max(abs(float(l32[v] - other[v])) for v in (a, b) for other in (l16, paged16))
+    flips = sum(int((x != y).any(-1).sum()) for x, y in zip(r32, r16))  # (token, layer) pairs routed differently
+    near_tie = gap <= 2 * err
+    reason = "logit near-tie" if near_tie else "router flip" if flips else "unexplained"
+    return {"index": j, "ar_token": a, "tree_token": b, "fp32_gap": gap, "bf16_error": err, "near_tie": near_tie,
+            "fp32_prefers": "ar" if l32[a] >= l32[b] else "tree", "router_flips": flips,
+            "routed_tokens": ids.shape[1] * len(r32), "reason": reason}
 
 
 def run(engine, batch, new, mode, budget):
@@ -105,17 +162,21 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--logit-std", type=float, default=3.0)
+    parser.add_argument("--dense", action="store_true", help="replace the routed experts by dense MLPs (no routing)")
+    parser.add_argument("--quick", action="store_true", help="bf16 only: chain, ddtree 64, ddtree 64 with the oracle")
+    parser.add_argument("--name", default="engine_parity", help="results file name")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("engine_parity.py needs a CUDA GPU (--device cpu for a dry run)")
-    target, drafter = build_pair(args.config, args.layers, args.logit_std, args.device)
+    target, drafter = build_pair(args.config, args.layers, args.logit_std, args.device, args.dense)
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(16, 400, (args.prompts,), generator=gen).tolist()
     batch = [torch.randint(0, target.cfg.vocab_size - 1, (n,), generator=gen).tolist() for n in lengths]
     target32 = float_copy(target)
     results = []
-    for dtype_name, tgt, dft in (("bf16", target, drafter), ("fp32", target32, float_copy(drafter))):
+    precisions = [("bf16", target, drafter)] + ([] if args.quick else [("fp32", target32, float_copy(drafter))])
+    for dtype_name, tgt, dft in precisions:
         plain = Engine(tgt, dft, max_batch=args.batch, max_model_len=1024, stop_token_ids=())
         ar_outs, ar_s = run(plain, batch, args.new, "ar", 1)
         ar = [o.token_ids for o in ar_outs]
@@ -123,6 +184,8 @@ def main() -> None:
         forced = Engine(tgt, oracle, max_batch=args.batch, max_model_len=1024, stop_token_ids=())
         runs = [("chain", 1, plain, "random"), ("ddtree", 16, plain, "random"), ("ddtree", 64, plain, "random"),
                 ("chain", 1, forced, "oracle"), ("ddtree", 64, forced, "oracle")]
+        if args.quick:
+            runs = [runs[0], runs[2], runs[4]]
         for mode, budget, engine, kind in runs:
             if kind == "oracle":  # generate fills slots in order, batch by batch: slot = index % batch
                 outs = []
@@ -141,21 +204,26 @@ def main() -> None:
     table_rows = []
     for r in results:
         div = r["divergences"]
-        ties = sum(d["near_tie"] for d in div)
+        ties = sum(d["reason"] == "logit near-tie" for d in div)
+        flips = sum(d["reason"] == "router flip" for d in div)
+        other = sum(d["reason"] == "unexplained" for d in div)
         first = statistics.median(d["index"] for d in div) if div else "-"
-        worst = max((d["fp32_gap"] / max(d["bf16_error"], 1e-9) for d in div), default=0.0)
+        prefers_ar = sum(d["fp32_prefers"] == "ar" for d in div)
         table_rows.append([r["dtype"], r["mode"], r["budget"] if r["mode"] == "ddtree" else "-", r["drafter"],
                            f"{r['equal']}/{r['requests']}", f"{r['mean_acceptance']:.2f}", len(div), first,
-                           f"{ties}/{len(div)}", f"{worst:.2f}"])
+                           ties, flips, other, f"{prefers_ar}/{len(div)}"])
     table = markdown_table(["dtype", "mode", "budget", "drafter", "equal to ar", "mean accept", "divergences",
-                            "median first divergence", "near-ties", "max gap / bf16 error"], table_rows)
+                            "median first divergence", "logit near-ties", "router flips", "unexplained",
+                            "fp32 prefers ar's token"], table_rows)
     header = (f"{args.config} shape, first {args.layers} layers, random weights, lm_head scaled to logit std "
               f"{args.logit_std}; {args.prompts} prompts of 16-399 random tokens, {args.new} new tokens each, greedy, "
-              f"batches of {args.batch}. Near-tie: the two tokens' fp32 logits differ by at most twice the bf16 "
-              "forward's error on them.\n\n")
+              f"batches of {args.batch}{'; routed experts replaced by dense MLPs' if args.dense else ''}. Each first "
+              "divergence is a logit near-tie (the two tokens' fp32 logits differ by at most twice the bf16 forwards' "
+              "error on them: plain prefill and the engine's paged decode path), else a router flip (bf16 and fp32 route some token of the sequence to different "
+              "experts), else unexplained.\n\n")
     payload = {"environment": environment(), "args": vars(args) | {"out": str(args.out)}, "results": results}
     print(header + table)
-    print("wrote", write_results("engine_parity", payload, header + table, args.out))
+    print("wrote", write_results(args.name, payload, header + table, args.out))
 
 
 if __name__ == "__main__":

@@ -97,3 +97,18 @@ def test_a_drafter_that_knows_the_answer_commits_whole_blocks(tmp_path, block_si
                 assert all(a >= depth + 1 for a in lengths[:-1]) and max(lengths) <= block_size, (mode, depth, lengths)
             if depth == block_size - 1:
                 assert max(outs[0].stats.acceptance_lengths) == block_size  # a whole block in one round
+
+
+def test_chunked_prefill_equals_one_pass(pair, ar_outputs):
+    """Prompts of 3-17 tokens through chunks of 5 (several chunks, ragged last ones, prompts that
+    end at a chunk boundary) give the same tokens as a one-chunk prefill."""
+    target_dir, drafter_dir, _ = pair
+    batch, want = ar_outputs
+    batch = batch + [[7] * 10]  # exactly two chunks
+    engine = Engine.from_pretrained(target_dir, drafter_dir, device="cpu", page_size=16, max_batch=8, stop_token_ids=(),
+                                    prefill_chunk=5)
+    one_pass = Engine.from_pretrained(target_dir, drafter_dir, device="cpu", page_size=16, stop_token_ids=())
+    extra = one_pass.generate([batch[-1]], max_new_tokens=NEW, mode="ddtree", budget=8)[0].token_ids
+    for mode in ("ar", "ddtree"):
+        outs = engine.generate(batch, max_new_tokens=NEW, mode=mode, budget=8)
+        assert [o.token_ids for o in outs] == want + [extra], mode

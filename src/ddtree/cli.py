@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
     gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer)")
-    gen.add_argument("--target", required=True, help="target model directory (config.json + safetensors)")
-    gen.add_argument("--drafter", help="DFlash drafter directory (needed for --mode chain / ddtree)")
+    gen.add_argument("--target", help="target model directory (config.json + safetensors); "
+                     "default: the demo pair shipped in the package (a small Python coder and its drafter)")
+    gen.add_argument("--drafter", help="DFlash drafter directory (needed for --mode chain / ddtree with --target)")
     gen.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree")
     gen.add_argument("--budget", type=_positive(int), default=64, help="tree nodes per round (ddtree)")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -80,7 +81,7 @@ def generate(args) -> None:
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
         num_pages=args.num_pages, page_size=args.page_size)
     if engine.tokenizer is None:
-        raise ValueError(f"{args.target} has no tokenizer: text prompts cannot be encoded")
+        raise ValueError(f"{args.target or 'the demo pair'} has no tokenizer: text prompts cannot be encoded")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
     ids = [engine.add_request(p, params, mode=args.mode, budget=args.budget) for p in args.prompts]
@@ -124,7 +125,10 @@ def generate(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "generate" and args.mode != "ar" and args.drafter is None:
+    if args.command == "generate" and args.drafter is not None and args.target is None:
+        sys.stderr.write("ddtree generate: error: --drafter needs --target DIR (without both: the demo pair)\n")
+        return 2
+    if args.command == "generate" and args.target is not None and args.mode != "ar" and args.drafter is None:
         sys.stderr.write(f"ddtree generate: error: --mode {args.mode} needs --drafter DIR (or use --mode ar)\n")
         return 2
     try:

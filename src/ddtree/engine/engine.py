@@ -63,10 +63,17 @@ class Engine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, *, device=None,
+    def from_pretrained(cls, target_dir: str | Path | None = None, drafter_dir: str | Path | None = None, *, device=None,
                         dtype: torch.dtype | None = None, trust_remote_code: bool = False, **engine_args) -> "Engine":
         """Load target (+ tokenizer, + stop tokens) and drafter from Hugging Face directories.
+        With neither directory named, the demo pair shipped in the package (ddtree.demo).
         device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU."""
+        if target_dir is None:
+            if drafter_dir is not None:
+                raise ValueError("a drafter directory was given without its target directory")
+            from ..demo import demo_pair
+
+            target_dir, drafter_dir = demo_pair()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         target = load_target(target_dir, dtype=dtype, device=device)

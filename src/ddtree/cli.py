@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-pages", type=_positive(int), default=None)
     gen.add_argument("--page-size", type=_positive(int), default=64)
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
+    from .server.command import add_serve_command
+
+    add_serve_command(commands)
     parser.epilog = "Errors are one line on stderr; DDTREE_TRACEBACK=1 shows the traceback instead."
     return parser
 
@@ -134,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "serve":
+            from .server.command import serve
+
+            return serve(args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError, NotImplementedError, RuntimeError, KeyError) as err:

@@ -1,0 +1,107 @@
+"""`ddtree serve`: its arguments, and the start-up (load the engine, build the app, run uvicorn).
+
+FastAPI and uvicorn are imported only when the command runs, so `ddtree generate` does not pay
+for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+_positive_int.__name__ = "int"  # argparse names the type in its error
+
+
+def add_serve_command(commands) -> argparse.ArgumentParser:
+    """Add the `serve` subparser to ddtree's subcommands (argparse's _SubParsersAction)."""
+    p = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching and streaming")
+    p.add_argument("--target", help="target model directory (config.json + safetensors); default: the demo pair")
+    p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree",
+                   help="default decoding mode (a request may pick its own with ddtree: {mode})")
+    p.add_argument("--budget", type=_positive_int, default=64, help="default tree budget (ddtree: {budget})")
+    p.add_argument("--max-budget", type=_positive_int, default=256, help="the largest budget a request may ask")
+    p.add_argument("--max-batch", type=_positive_int, default=32, help="requests in the running batch")
+    p.add_argument("--num-pages", type=_positive_int, default=None, help="KV cache pages (default: sized from memory)")
+    p.add_argument("--page-size", type=_positive_int, default=64)
+    p.add_argument("--max-model-len", type=_positive_int, default=None, help="prompt + completion tokens per request")
+    p.add_argument("--max-queue", type=_positive_int, default=256,
+                   help="requests waiting for a batch slot before new ones get 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=2 << 20, help="larger request bodies get 413")
+    p.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: the target "
+                   "directory's name, ddtree-demo for the demo pair)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def _metadata(engine, dtype) -> dict:
+    """What /health and /v1/models report about the serving machine (benchmarks record it)."""
+    import torch
+
+    import ddtree
+
+    device = engine.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    versions = {"ddtree": getattr(ddtree, "__version__", None), "torch": torch.__version__,
+                "python": platform.python_version()}
+    for module in ("transformers", "triton", "fastapi", "uvicorn"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:  # absent on this machine (triton on macOS)
+            versions[module] = None
+    blocks = engine.blocks
+    return {"device": str(device), "gpu": name if device.type == "cuda" else None, "device_name": name,
+            "dtype": str(dtype).removeprefix("torch."), "max_batch": engine.max_batch, "page_size": engine.page_size,
+            "num_pages": blocks.num_pages, "versions": versions}
+
+
+def serve(args) -> int:
+    """Run the server until interrupted; returns the exit code. Errors loading the checkpoints
+    propagate (ddtree's main prints them as one line)."""
+    if args.drafter is not None and args.target is None:
+        sys.stderr.write("ddtree serve: error: --drafter needs --target DIR (without both: the demo pair)\n")
+        return 2
+    if args.target is not None and args.mode != "ar" and args.drafter is None:
+        sys.stderr.write(f"ddtree serve: error: --mode {args.mode} needs --drafter DIR (or use --mode ar)\n")
+        return 2
+    if args.target is None:
+        from ..demo import demo_pair
+
+        demo_pair()  # FileNotFoundError with one clear line before anything heavy loads
+    import torch
+    import uvicorn
+
+    from ..engine import Engine
+    from .app import ServerConfig, create_app
+
+    engine = Engine.from_pretrained(
+        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
+        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget)
+    name = args.served_model_name or (Path(args.target).resolve().name if args.target else "ddtree-demo")
+    config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
+                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          metadata=_metadata(engine, engine.target.embed_tokens.weight.dtype))
+    app = create_app(engine, config)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    print(f"ddtree serve: {name} on {config.metadata['device_name']} ({engine.device}), modes "
+          f"{'ar, chain, ddtree' if engine.drafter is not None else 'ar'}, max_batch {engine.max_batch}, "
+          f"{engine.blocks.num_pages} KV pages; http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,97 @@
+"""What passes between the HTTP side and the scheduler thread: a Job in, events out.
+
+The HTTP side (the asyncio loop) builds a Job from a validated body and gets a Handle; the
+scheduler thread pushes events into the handle's asyncio queue with call_soon_threadsafe, so the
+two sides share no lock and the HTTP side never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from .errors import APIError
+
+
+@dataclass
+class Job:
+    """One request for the engine. prompt: text or token ids (completions) or None; messages:
+    role / content dicts for the chat template (chat) or None; max_tokens: None = the rest of the
+    context; sampling: temperature, top_p, top_k, seed, stop, ignore_eos; limit_param: the field
+    that set max_tokens, named in errors."""
+
+    request_id: str
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    max_tokens: int | None
+    sampling: dict
+    mode: str
+    budget: int
+    limit_param: str = "max_tokens"
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+
+@dataclass
+class Usage:
+    """OpenAI's token counts, plus the acceptance statistics of the ddtree extension."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    mode: str
+    budget: int | None
+    rounds: int = 0
+    mean_acceptance_length: float = 0.0
+    seed: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "ddtree": {"mode": self.mode, "budget": self.budget, "rounds": self.rounds,
+                           "mean_acceptance_length": round(self.mean_acceptance_length, 4), "seed": self.seed}}
+
+
+@dataclass
+class Accepted:
+    """The engine took the request (it is queued or running)."""
+
+    prompt_tokens: int
+
+
+@dataclass
+class Chunk:
+    """Tokens one step committed: their text, their count, and on the last chunk why it ended
+    and the final usage. usage on other chunks: counts so far (statistics not final)."""
+
+    text: str
+    num_tokens: int
+    usage: Usage
+    finish_reason: str | None = None
+
+
+@dataclass
+class Failed:
+    """The request ended with an error (before or after it was accepted)."""
+
+    error: APIError
+
+
+@dataclass
+class Handle:
+    """The HTTP side's end of a job: events arrive in `queue`, pushed from any thread."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def push(self, event) -> None:
+        """Thread-safe: deliver one event to the loop (dropped if the loop is gone)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop closed (server shutting down): nobody is listening
+            pass
+
+    async def next(self):
+        return await self.queue.get()

@@ -1,0 +1,71 @@
+"""A job's prompt as token ids and its sampling parameters, checked against the context and the
+cache. Runs on the scheduler thread: the tokenizer is used from that one thread only (a fast
+tokenizer shared across threads can fail with "Already borrowed")."""
+
+from __future__ import annotations
+
+from ..engine.pages import pages_for
+from ..engine.sampling import SamplingParams
+from .errors import APIError
+from .jobs import Job
+
+
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode(engine, job: Job) -> list[int]:
+    """The prompt's token ids. Raises APIError (400) naming `prompt` or `messages`."""
+    if job.messages is not None:
+        try:
+            text = engine.tokenizer.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # jinja's TemplateError and whatever a template raises on bad input
+            raise APIError(400, f"the chat template refused the messages: {err}", param="messages",
+                           code="invalid_value") from None
+        # The template writes the special tokens itself (BOS included): do not add them twice.
+        ids = list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    else:
+        try:
+            ids = engine.tokenize(job.prompt)
+        except ValueError as err:  # token ids out of the vocabulary, or text without a tokenizer
+            raise APIError(400, str(err), param="prompt", code="invalid_value") from None
+    if not ids:
+        raise APIError(400, "the prompt encodes to no tokens", param=job.prompt_param, code="invalid_value")
+    return ids
+
+
+def node_limit(engine, mode: str, budget: int) -> int:
+    """Verify rows beyond the root a round may use (what admission reserves): see Engine.add_request."""
+    return {"ar": 0, "chain": engine.max_depth, "ddtree": budget}[mode]
+
+
+def sampling_params(engine, job: Job, prompt_len: int) -> SamplingParams:
+    """SamplingParams with max_new_tokens checked against max_model_len and the KV cache.
+    A job without max_tokens gets what is left of the context (capped by what the cache holds)."""
+    context = engine.max_model_len
+    if prompt_len >= context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; the context is {context} tokens "
+                       "(max_model_len), which leaves no room for a completion", param=job.prompt_param,
+                       code="context_length_exceeded")
+    blocks = engine.blocks
+    cache_rows = min(blocks.num_pages, blocks.table.shape[1]) * engine.page_size
+    room = cache_rows - prompt_len - node_limit(engine, job.mode, job.budget)
+    max_new = job.max_tokens
+    if max_new is None:
+        max_new = min(context - prompt_len, room)
+        if max_new < 1:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room in the KV cache "
+                           f"({cache_rows} slots)", param=job.prompt_param, code="context_length_exceeded")
+    elif prompt_len + max_new > context:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + {job.limit_param} ({max_new}) is over the context "
+                       f"of {context} tokens (max_model_len)", param=job.limit_param,
+                       code="context_length_exceeded")
+    elif max_new > room:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + {job.limit_param} ({max_new}) needs "
+                       f"{pages_for(prompt_len + max_new + node_limit(engine, job.mode, job.budget), engine.page_size)} "
+                       f"KV pages; the cache holds {cache_rows // engine.page_size} per request",
+                       param=job.limit_param, code="context_length_exceeded")
+    try:
+        return SamplingParams(max_new_tokens=max_new, **job.sampling)
+    except ValueError as err:  # the HTTP side checked the ranges; this is the engine's own word
+        raise APIError(400, str(err), code="invalid_value") from None

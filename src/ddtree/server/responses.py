@@ -1,0 +1,54 @@
+"""OpenAI response bodies and stream chunks for one request, completion or chat."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from .jobs import Usage
+
+
+class ResponseShape:
+    """Builds the JSON of one request's response. kind: "completion" (object text_completion,
+    choices[].text) or "chat" (chat.completion / chat.completion.chunk, choices[].message / delta)."""
+
+    def __init__(self, kind: str, request_id: str, model: str):
+        self.kind, self.id, self.model, self.created = kind, request_id, model, int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: Usage) -> dict:
+        """The non-streamed response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage.as_dict()}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage.as_dict()}
+
+    def chunk(self, text: str, finish_reason: str | None = None, usage: Usage | None = None,
+              role: bool = False) -> dict:
+        """One streamed event's choice: the committed text, finish_reason on the last one; usage
+        when the client asked for it on every chunk; role: the chat stream's opening delta."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = {**self._head("text_completion"), "choices": [choice]}
+        if usage is not None:
+            body["usage"] = usage.as_dict()
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The closing chunk of stream_options.include_usage: no choices, the final usage."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage.as_dict()}
+
+
+def sse(body: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the end)."""
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode("utf-8")

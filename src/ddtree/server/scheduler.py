@@ -1,0 +1,247 @@
+"""The scheduler thread: the one owner of the Engine, running continuous batching.
+
+Each turn of its loop takes the HTTP side's submissions and aborts from an inbox, then runs one
+engine step: the engine admits the waiting requests whose worst case fits the free pages, and one
+round runs for the whole batch; finished requests leave at once. New requests therefore join
+between rounds, and a disconnected client's abort is applied before the next round.
+
+Failures stay contained: an error while preparing or delivering one request fails that request
+alone (500, logged with its id); an error inside `engine.step()`, which no request can be blamed
+for, fails the requests that were running in it, aborts them, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from ..engine.pages import KVCacheFull
+from .errors import APIError, internal_error
+from .jobs import Accepted, Chunk, Failed, Handle, Job, Usage
+from .metrics import Metrics
+from .prompts import encode, sampling_params
+
+log = logging.getLogger("ddtree.server")
+
+
+class QueueFull(Exception):
+    """The bounded queue of requests waiting for a batch slot is full."""
+
+
+@dataclass
+class _Live:
+    job: Job
+    handle: Handle
+    prompt_tokens: int
+    accepted_at: float
+    started: bool = False  # had its first output: admitted into the batch
+    produced: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine, metrics: Metrics, *, max_queue: int = 256, idle_wait_s: float = 0.1):
+        """engine: an Engine used from this scheduler's thread only; max_queue: requests accepted
+        but not yet in the batch (inbox + the engine's waiting queue) before submit refuses."""
+        self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}  # scheduler thread only; insertion order = engine's FIFO
+        self._lock = threading.Lock()  # guards _queued, shared with the HTTP side
+        self._queued = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.snapshot: dict = {}
+        self._publish()
+
+    # -- the HTTP side (any thread) ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ddtree-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, job: Job, loop) -> Handle:
+        """Queue a job; its events arrive in the returned handle. Raises QueueFull, or
+        RuntimeError once the scheduler is stopping."""
+        if self._stop.is_set():
+            raise RuntimeError("the server is shutting down")
+        with self._lock:
+            if self._queued >= self.max_queue:
+                raise QueueFull(f"{self._queued} requests are waiting (max_queue={self.max_queue})")
+            self._queued += 1
+        handle = Handle(job.request_id, loop)
+        self._inbox.put(("submit", job, handle))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (client gone); applied before the next round. Unknown ids are ignored."""
+        self._inbox.put(("abort", request_id))
+
+    # -- the loop (scheduler thread) -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished() and not self._stop.is_set():
+                    self._step()
+            except Exception:  # a bug outside any one request: never let the thread die silently
+                log.exception("scheduler: unexpected error; failing the requests in flight")
+                for rid in list(self._live):
+                    self._fail(rid, internal_error(rid))
+            self._publish()
+        for rid in list(self._live):  # shutting down
+            self._fail(rid, APIError(503, "the server is shutting down", code="shutting_down"))
+        self._drain(block=False)
+        self._publish()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:  # None only wakes the loop (stop)
+                if item[0] == "submit":
+                    self._accept(item[1], item[2])
+                else:
+                    self._abort(item[1])
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _accept(self, job: Job, handle: Handle) -> None:
+        rid = job.request_id
+        if self._stop.is_set():
+            return self._reject(handle, APIError(503, "the server is shutting down", code="shutting_down"))
+        try:
+            ids = encode(self.engine, job)
+            params = sampling_params(self.engine, job, len(ids))
+            self.engine.add_request(ids, params, mode=job.mode, budget=job.budget, request_id=rid)
+        except APIError as err:
+            return self._reject(handle, err)
+        except KVCacheFull as err:
+            return self._reject(handle, APIError(400, str(err), param=job.limit_param, code="context_length_exceeded"))
+        except ValueError as err:
+            return self._reject(handle, APIError(400, str(err), code="invalid_value"))
+        except Exception:
+            log.exception("request %s: failed while being added to the engine", rid)
+            return self._reject(handle, internal_error(rid))
+        self._live[rid] = _Live(job, handle, len(ids), time.perf_counter())
+        self.metrics.prompt_tokens.inc(len(ids))
+        handle.push(Accepted(len(ids)))
+
+    def _reject(self, handle: Handle, error: APIError) -> None:
+        self._unqueue()
+        handle.push(Failed(error))
+
+    def _unqueue(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _abort(self, rid: str) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:  # already finished or failed
+            return
+        if not live.started:
+            self._unqueue()
+        self._forget(rid)
+        log.info("request %s: aborted (client disconnected) after %d tokens", rid, live.produced)
+
+    def _forget(self, rid: str) -> None:
+        """Remove a request from the engine whatever its state; its slot and pages are free after."""
+        try:
+            self.engine.abort(rid)
+        except (KeyError, ValueError):  # not in the engine, or finished and not yet taken
+            try:
+                self.engine.take_result(rid)
+            except KeyError:
+                pass
+        except Exception:  # an engine left inconsistent by a failed step: keep serving the others
+            log.exception("request %s: the engine could not abort it", rid)
+
+    def _fail(self, rid: str, error: APIError) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        if not live.started:
+            self._unqueue()
+        self._forget(rid)
+        live.handle.push(Failed(error))
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            self.metrics.engine_failures.inc()
+            self._fail_running()
+            return
+        now = time.perf_counter()
+        self.metrics.round_seconds.observe(now - start)
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:  # not ours (cannot happen through the server): do not let it leak
+                if out.finished:
+                    self._forget(out.request_id)
+                continue
+            try:
+                self._deliver(live, out, now)
+            except Exception:
+                log.exception("request %s: failed while delivering its tokens", out.request_id)
+                self._fail(out.request_id, internal_error(out.request_id))
+
+    def _fail_running(self) -> None:
+        """After engine.step() raised: fail every request that was in the batch. Requests still in
+        the engine's waiting queue stay: they are the last `num_waiting` of the not-yet-started
+        ones (the engine admits in FIFO order, the order they were added)."""
+        pending = [rid for rid, live in self._live.items() if not live.started]
+        waiting = set(pending[len(pending) - self.engine.num_waiting:]) if self.engine.num_waiting else set()
+        failed = [rid for rid in self._live if rid not in waiting]
+        log.exception("engine step failed; failing the %d requests in the batch: %s", len(failed), ", ".join(failed))
+        for rid in failed:
+            self._fail(rid, internal_error(rid))
+
+    def _deliver(self, live: _Live, out, now: float) -> None:
+        rid = out.request_id
+        if not live.started:
+            live.started = True
+            self._unqueue()
+            self.metrics.time_to_first_token.observe(now - live.accepted_at)
+        count = len(out.new_token_ids)
+        live.produced += count
+        self.metrics.generated_tokens.inc(count)
+        job = live.job
+        usage = Usage(live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
+                      seed=job.sampling.get("seed"))
+        if not out.finished:
+            live.handle.push(Chunk(out.new_text or "", count, usage))
+            return
+        result = self.engine.take_result(rid)
+        del self._live[rid]
+        stats = result.stats
+        usage.rounds, usage.mean_acceptance_length, usage.seed = stats.rounds, stats.mean_acceptance_length, result.seed
+        for length in stats.acceptance_lengths:
+            self.metrics.acceptance_length.observe(length)
+        self.metrics.request_seconds.observe(now - live.accepted_at)
+        live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason))
+
+    def _publish(self) -> None:
+        blocks = self.engine.blocks
+        snapshot = {"running": self.engine.num_running, "queued": self._queued, "pages_free": blocks.num_free,
+                    "pages_in_use": blocks.num_pages - blocks.num_free, "pages_promised": blocks.num_promised,
+                    "pages_total": blocks.num_pages}
+        self.snapshot = snapshot
+        self.metrics.publish(snapshot)

@@ -1,0 +1,99 @@
+"""Test plumbing for the server: a real uvicorn server in a thread on a free loopback port, the
+tiny checkpoints (one target with a chat template), server-sent event parsing, metric reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..engine.pairs import EOS, make_pair
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def make_pairs(root: Path) -> dict:
+    """target/ + drafter/ (no chat template) and target_chat/ (the same weights, a chat template
+    in tokenizer_config.json)."""
+    target, drafter, _ = make_pair(root, tokenizer=True, eos_token_id=EOS)
+    chat = root / "target_chat"
+    shutil.copytree(target, chat)
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    (chat / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return {"target": target, "drafter": drafter, "target_chat": chat}
+
+
+class LiveServer:
+    """uvicorn serving `app` from a thread on 127.0.0.1 (a free port); a context manager."""
+
+    def __init__(self, app):
+        self.app = app
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    @property
+    def state(self):
+        return self.app.state.ddtree
+
+    @property
+    def engine(self):
+        return self.state.scheduler.engine
+
+    def __enter__(self) -> "LiveServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(15)
+        self._sock.close()
+
+    def wait_idle(self, timeout_s: float = 15.0) -> dict:
+        """Poll /health until no request is running or queued and every KV page is free; returns
+        the last health body (the caller asserts on it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            body = httpx.get(f"{self.url}/health", timeout=5).json()
+            idle = body["running"] == 0 and body["queued"] == 0 and body["pages_free"] == body["pages_total"]
+            if idle or time.monotonic() > deadline:
+                return body
+            time.sleep(0.05)
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """One sample of the server's /metrics (0.0 when absent), by sample name and labels."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def sse_events(lines) -> list:
+    """The JSON bodies of a server-sent event stream, then the literal "[DONE]" if it came."""
+    events = []
+    for line in lines:
+        if not line.startswith("data: "):
+            assert line == "", f"unexpected stream line {line!r}"
+            continue
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -69,3 +69,20 @@ def test_anchors_distinct_sorted_in_range():
     assert anchors.shape == (4, 12)
     assert (anchors >= 1).all() and (anchors <= 40 - 16).all()
     assert (anchors.diff(dim=1) > 0).all()
+
+
+def test_dense_training_moe_equals_the_grouped_moe():
+    from ddtree.models.moe import MoE
+    from training.moe_dense import dense_moe_forward
+
+    target = random_target(TargetConfig.from_dict(tiny_config().to_dict()), dtype=torch.float32, seed=4, std=0.3)
+    moe = target.layers[1].mlp
+    assert isinstance(moe, MoE)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.normal_(0, 0.2)
+    x = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(5))
+    want_ids, got_ids = [], []
+    want = moe(x, want_ids)
+    got = dense_moe_forward(moe, x, got_ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_ids[0], want_ids[0])

@@ -165,7 +165,8 @@ def make_bodies(args, prompts: list[str], mode: str, count: int, model: str, off
 async def bench(args) -> dict:
     prompts = load_prompts(args.prompts)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency) + 4)
+    connections = max(args.concurrency) + 4
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         health = (await client.get(f"{args.url}/health")).json()
         models = (await client.get(f"{args.url}/v1/models")).json()["data"]

@@ -69,8 +69,9 @@ def test_streamed_completion_chunks_add_up(idle_server, reference):
 
 
 def test_chat_streamed_and_not(idle_server, reference):
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    alone = served_alone(reference, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], 12)
+    system = {"role": "system", "content": "be brief"}
+    messages = [system, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    alone = served_alone(reference, [system, {"role": "user", "content": "hi"}], 12)
     body = {"messages": messages, "max_completion_tokens": 12, "temperature": 0}
     r = httpx.post(f"{idle_server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -97,7 +98,8 @@ def test_chat_without_a_template_is_a_clear_400(pairs):
         error = r.json()["error"]
         assert error["param"] == "messages" and error["code"] == "chat_template_missing"
         assert "chat template" in error["message"]
-        assert httpx.post(f"{live.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).status_code == 200
+        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200
 
 
 def test_models_health_and_metrics(idle_server):
@@ -115,7 +117,8 @@ def test_models_health_and_metrics(idle_server):
     text = httpx.get(f"{idle_server.url}/metrics", timeout=10)
     assert text.headers["content-type"].startswith("text/plain")
     for name in ("ddtree_acceptance_length_bucket", "ddtree_round_seconds_bucket", "ddtree_requests_running",
-                 "ddtree_requests_queued", "ddtree_kv_pages_in_use", "ddtree_kv_pages_free", "ddtree_prompt_tokens_total"):
+                 "ddtree_requests_queued", "ddtree_kv_pages_in_use", "ddtree_kv_pages_free",
+                 "ddtree_prompt_tokens_total"):
         assert name in text.text
     assert metric(idle_server.url, "ddtree_requests_total", endpoint="/v1/completions", status="200") == before + 1
     assert metric(idle_server.url, "ddtree_generated_tokens_total") == tokens + generated
@@ -137,8 +140,9 @@ def test_the_openai_client(idle_server, reference):
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
                                           extra_body={"ddtree": {"mode": "ar"}})
     assert chat.choices[0].message.content == chat_alone.text
-    pieces = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ddtree": {"mode": "ar"}})
+    pieces = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ddtree": {"mode": "ar"}})
     parts = list(pieces)
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat_alone.text
     assert parts[-1].usage.completion_tokens == len(chat_alone.token_ids)

@@ -29,7 +29,9 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, s
     if not body.get("stream"):
         r = await client.post(f"{url}/v1/completions", json=body)
         out = r.json()
-        return (r.status_code, out["choices"][0]["text"], out["usage"]) if r.status_code == 200 else (r.status_code, "", out)
+        if r.status_code != 200:
+            return r.status_code, "", out
+        return 200, out["choices"][0]["text"], out["usage"]
     body = {**body, "stream_options": {"include_usage": True}}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -63,6 +65,12 @@ def test_parallel_requests_equal_each_served_alone(idle_server, reference):
     assert taken < sum(u["ddtree"]["rounds"] for _, _, u in results) / 2
 
 
+def _counts(url: str) -> tuple[float, float]:
+    """(tokens generated, requests cancelled by their client) so far."""
+    return (metric(url, "ddtree_generated_tokens_total"),
+            metric(url, "ddtree_requests_total", endpoint="/v1/completions", status="499"))
+
+
 def _aborted_quickly(live, generated_before: float, cancelled_before: float, max_tokens: int) -> None:
     health = live.wait_idle()
     assert (health["running"], health["queued"], health["pages_free"]) == (0, 0, health["pages_total"]), health
@@ -73,8 +81,7 @@ def _aborted_quickly(live, generated_before: float, cancelled_before: float, max
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(idle_server):
     url = idle_server.url
-    generated, cancelled = metric(url, "ddtree_generated_tokens_total"), metric(url, "ddtree_requests_total",
-                                                                                  endpoint="/v1/completions", status="499")
+    generated, cancelled = _counts(url)
     body = {"prompt": "abc", "max_tokens": 240, "ignore_eos": True, "stream": True, "temperature": 0,
             "ddtree": {"mode": "ar"}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
@@ -86,8 +93,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(idle_server):
 
 def test_disconnect_while_waiting_for_a_full_response(idle_server):
     url = idle_server.url
-    generated, cancelled = metric(url, "ddtree_generated_tokens_total"), metric(url, "ddtree_requests_total",
-                                                                                  endpoint="/v1/completions", status="499")
+    generated, cancelled = _counts(url)
     body = {"prompt": "abc", "max_tokens": 240, "ignore_eos": True, "temperature": 0, "ddtree": {"mode": "ar"}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30.0, read=0.4))

@@ -6,11 +6,12 @@ import concurrent.futures
 import json
 import logging
 import re
+import time
 
 import httpx
 import pytest
 
-from .conftest import BODY_LIMIT
+from .conftest import BODY_LIMIT, start_server
 from .harness import sse_events
 from .test_api import served_alone
 
@@ -130,6 +131,34 @@ def test_an_engine_step_failure_fails_the_batch_and_the_server_goes_on(idle_serv
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone.text
 
 
+def test_a_step_failure_spares_the_requests_still_waiting(pairs, reference):
+    with start_server(pairs, max_batch=1) as live:
+        engine = live.engine
+        running = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
+                   "ddtree": {"mode": "ar"}}
+
+        def faulty():
+            del engine.step
+            raise RuntimeError("injected step failure")
+
+        with httpx.stream("POST", f"{live.url}{C}", json=running, timeout=60) as a, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            lines = a.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            waiting = pool.submit(httpx.post, f"{live.url}{C}", timeout=60,
+                                  json={"prompt": "wait", "max_tokens": 6, "temperature": 0})
+            deadline = time.monotonic() + 30
+            while engine.num_waiting == 0 and time.monotonic() < deadline:  # in the engine's queue (one slot)
+                time.sleep(0.005)
+            engine.step = faulty
+            events = sse_events(lines)
+            assert events[-2]["error"]["code"] == "internal_error"
+            r = waiting.result()
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == served_alone(reference, "wait", 6).text
+        health = live.wait_idle()
+        assert health["pages_free"] == health["pages_total"]
+
+
 def test_a_failure_in_one_request_fails_it_alone(idle_server, reference, caplog):
     engine = idle_server.engine
     poison = reference.tokenize("poison")  # the server's tokenizer belongs to its scheduler thread
@@ -150,7 +179,7 @@ def test_a_failure_in_one_request_fails_it_alone(idle_server, reference, caplog)
             bad, good = pool.map(lambda b: client.post(f"{idle_server.url}{C}", json=b), bodies)
     finally:
         del engine.take_result
-    assert bad.status_code == 500 and bad.json()["error"]["type"] == "internal_server_error"
+    assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error"
     request_id = re.search(r"request (cmpl-[0-9a-f]+)", bad.json()["error"]["message"]).group(1)
     assert request_id in caplog.text and "injected delivery failure" in caplog.text
     assert good.status_code == 200 and good.json()["choices"][0]["text"] == served_alone(reference, "healthy", 7).text

@@ -70,13 +70,14 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(state.scheduler.stop)
 
-    app = FastAPI(title="ddtree", summary="OpenAI-compatible DDTree speculative decoding server", lifespan=lifespan)
+    app = FastAPI(title="ddtree", summary="OpenAI-compatible DDTree speculative decoding server",
+                  lifespan=lifespan)
     app.state.ddtree = state
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request, exc: HTTPException):  # 404 unknown route, 405 wrong method
-        return APIError(exc.status_code, str(exc.detail), code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
-                        headers=dict(exc.headers or {})).response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):

@@ -13,8 +13,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 503: "server_overloaded", 500: "internal_server_error"}
 
 
 class APIError(Exception):
@@ -28,7 +26,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
-        kind = _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_server_error")
+        kind = "invalid_request_error" if self.status < 500 else "server_error"  # OpenAI's two types
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -95,7 +93,8 @@ async def read_json(request: Request, limit: int) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {err.start})", code="invalid_encoding") from None
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {err.start})",
+                       code="invalid_encoding") from None
     try:
         body = json.loads(text)
     except json.JSONDecodeError as err:

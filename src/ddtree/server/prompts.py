@@ -61,9 +61,9 @@ def sampling_params(engine, job: Job, prompt_len: int) -> SamplingParams:
                        f"of {context} tokens (max_model_len)", param=job.limit_param,
                        code="context_length_exceeded")
     elif max_new > room:
-        raise APIError(400, f"prompt ({prompt_len} tokens) + {job.limit_param} ({max_new}) needs "
-                       f"{pages_for(prompt_len + max_new + node_limit(engine, job.mode, job.budget), engine.page_size)} "
-                       f"KV pages; the cache holds {cache_rows // engine.page_size} per request",
+        need = pages_for(prompt_len + max_new + node_limit(engine, job.mode, job.budget), engine.page_size)
+        raise APIError(400, f"prompt ({prompt_len} tokens) + {job.limit_param} ({max_new}) needs {need} KV pages; "
+                       f"the cache holds {cache_rows // engine.page_size} per request",
                        param=job.limit_param, code="context_length_exceeded")
     try:
         return SamplingParams(max_new_tokens=max_new, **job.sampling)

@@ -150,3 +150,15 @@ def test_generate_is_all_or_nothing(engine):
     assert not engine.has_unfinished()
     with pytest.raises(ValueError, match="temperature has 1 entries for 2 prompts"):
         engine.generate([[1], [2]], temperature=[0.5])
+
+
+def test_rounds_build_no_autograd_graph(engine):
+    """Cache writes from weights that required grad once chained every round's activations into
+    an autograd graph through the caches (gigabytes per generate call on the demo pair)."""
+    engine.generate([[5, 6, 7, 8], [9, 10]], max_new_tokens=12, mode="ddtree", budget=8)
+    engine.generate([[5, 6, 7, 8]], max_new_tokens=6, mode="ar")
+    assert not any(p.requires_grad for p in engine.target.parameters())
+    assert not any(p.requires_grad for p in engine.drafter.parameters())
+    state = engine.state.drafter
+    for t in [*engine.caches, *state.keys, *state.values]:
+        assert not t.requires_grad and t.grad_fn is None

@@ -37,6 +37,12 @@ class Engine:
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
         max_budget: the largest tree budget a request may ask for."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        # Serving never differentiates: without this, every cache write from a weight that
+        # requires grad chains an autograd graph through the caches and keeps each round's
+        # activations alive (memory grew by gigabytes per generate call).
+        for model in (target, drafter):
+            if model is not None:
+                model.requires_grad_(False)
         self.device = target.embed_tokens.weight.device
         cfg = target.cfg
         self.max_batch, self.page_size, self.prefill_chunk = max_batch, page_size, prefill_chunk
@@ -157,6 +163,7 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """Admit and prefill what fits, then one round for every running request (the new ones
         included: every active slot of the batch takes part). Returns, per request, what it

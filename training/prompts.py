@@ -4,6 +4,9 @@ and files' opening lines.
     python training/prompts.py --data DATA --out benchmarks/data/demo_prompts.jsonl
 
 Deterministic: files in order of their path hash, at most one prompt of each kind per file.
+Prompts end with the last line's text, not a line break: the byte-level BPE merges a line break
+with the next line's indentation, so a prompt ending in a bare newline would start the model
+from a split it never saw in training (and, at a function body, from column 0).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ MAX_CHARS = 1200  # keeps prompts well inside the model's training window
 
 def function_prompt(text: str) -> str | None:
     """The first function in the file with a docstring: its def line(s) through the docstring,
-    dedented, ending with a newline (the body comes next)."""
+    dedented."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -33,17 +36,17 @@ def function_prompt(text: str) -> str | None:
             doc = node.body[0]
             segment = "\n".join(lines[node.lineno - 1 : doc.end_lineno])
             if 0 < len(segment) <= MAX_CHARS:
-                return textwrap.dedent(segment) + "\n"
+                return textwrap.dedent(segment)
     return None
 
 
 def opening_prompt(text: str, max_lines: int = 12) -> str | None:
-    """The file's first lines (at most max_lines and MAX_CHARS), ending at a line break."""
+    """The file's first lines (at most max_lines and MAX_CHARS)."""
     lines = text.splitlines(keepends=True)[:max_lines]
     while lines and sum(map(len, lines)) > MAX_CHARS:
         lines.pop()
-    prompt = "".join(lines)
-    return prompt if len(prompt.strip()) >= 20 else None
+    prompt = "".join(lines).rstrip()
+    return prompt if len(prompt) >= 20 else None
 
 
 def build(heldout: Path, functions: int, openings: int) -> list[dict]:

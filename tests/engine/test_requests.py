@@ -162,3 +162,22 @@ def test_rounds_build_no_autograd_graph(engine):
     state = engine.state.drafter
     for t in [*engine.caches, *state.keys, *state.values]:
         assert not t.requires_grad and t.grad_fn is None
+
+
+def test_request_state_and_abort_in_every_state(engine):
+    free = engine.blocks.num_free
+    slots = engine.max_batch
+    ids = [engine.add_request([3 + i, 4], SamplingParams(max_new_tokens=2), mode="ar") for i in range(slots + 1)]
+    assert {engine.request_state(r) for r in ids} == {"waiting"}
+    engine.step()
+    states = [engine.request_state(r) for r in ids]
+    assert states[-1] == "waiting" and set(states[:-1]) <= {"running", "finished"}
+    while engine.request_state(ids[0]) != "finished":
+        engine.step()
+    engine.abort(ids[0])  # finished, result not taken: discarded, no error
+    with pytest.raises(KeyError, match="no request"):
+        engine.request_state(ids[0])
+    for rid in ids[1:]:
+        engine.abort(rid)  # running or waiting
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_free == free and engine.blocks.num_promised == 0

@@ -135,14 +135,25 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Drop a request now: its slot and pages are free before this returns."""
+        """Drop a request now, whatever its state: its slot and pages are free before this returns
+        (a finished request's result, not yet taken, is discarded)."""
         request = self._requests.pop(request_id, None)
         if request is None:
             raise KeyError(f"no request {request_id!r}")
-        if request.slot is None:
-            self._waiting.remove(request)
-        else:
+        if request.slot is not None:
             self._release(request)
+        elif not request.finished:
+            self._waiting.remove(request)
+
+    def request_state(self, request_id: str) -> str:
+        """"waiting" (queued, no slot yet), "running" (holds a slot and pages) or "finished"
+        (its result awaits take_result); KeyError for an id the engine does not hold."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no request {request_id!r}")
+        if request.finished:
+            return "finished"
+        return "waiting" if request.slot is None else "running"
 
     def _release(self, request: Request) -> None:
         self._running.pop(request.slot)

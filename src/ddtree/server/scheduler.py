@@ -47,7 +47,7 @@ class Scheduler:
         but not yet in the batch (inbox + the engine's waiting queue) before submit refuses."""
         self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}  # scheduler thread only; insertion order = engine's FIFO
+        self._live: dict[str, _Live] = {}  # scheduler thread only
         self._lock = threading.Lock()  # guards _queued, shared with the HTTP side
         self._queued = 0
         self._stop = threading.Event()
@@ -163,12 +163,9 @@ class Scheduler:
     def _forget(self, rid: str) -> None:
         """Remove a request from the engine whatever its state; its slot and pages are free after."""
         try:
-            self.engine.abort(rid)
-        except (KeyError, ValueError):  # not in the engine, or finished and not yet taken
-            try:
-                self.engine.take_result(rid)
-            except KeyError:
-                pass
+            self.engine.abort(rid)  # any state, a finished result not yet taken included
+        except KeyError:  # not in the engine
+            pass
         except Exception:  # an engine left inconsistent by a failed step: keep serving the others
             log.exception("request %s: the engine could not abort it", rid)
 
@@ -204,12 +201,15 @@ class Scheduler:
                 self._fail(out.request_id, internal_error(out.request_id))
 
     def _fail_running(self) -> None:
-        """After engine.step() raised: fail every request that was in the batch. Requests still in
-        the engine's waiting queue stay: they are the last `num_waiting` of the not-yet-started
-        ones (the engine admits in FIFO order, the order they were added)."""
-        pending = [rid for rid, live in self._live.items() if not live.started]
-        waiting = set(pending[len(pending) - self.engine.num_waiting:]) if self.engine.num_waiting else set()
-        failed = [rid for rid in self._live if rid not in waiting]
+        """After engine.step() raised: fail every request that was in the batch; requests the
+        engine still holds as waiting stay queued."""
+        def waiting(rid: str) -> bool:
+            try:
+                return self.engine.request_state(rid) == "waiting"
+            except KeyError:
+                return False
+
+        failed = [rid for rid in self._live if not waiting(rid)]
         log.exception("engine step failed; failing the %d requests in the batch: %s", len(failed), ", ".join(failed))
         for rid in failed:
             self._fail(rid, internal_error(rid))

@@ -1,7 +1,7 @@
 """The demo pair's corpus: Python source of the running interpreter's standard library and of a
 fixed list of installed packages, split by file into training and held-out sets.
 
-    python training/corpus.py --out DATA            # DATA/train.jsonl, heldout.jsonl, manifest.json
+    python -m training.corpus --out DATA            # DATA/train.jsonl, heldout.jsonl, manifest.json
 
 The split is a hash of each file's path relative to its root ("stdlib/json/decoder.py"), so it is
 the same on any machine and Python version: a held-out path was never trained on anywhere.
@@ -23,6 +23,15 @@ PACKAGES = ("numpy", "scipy", "sympy", "pandas", "networkx", "sklearn", "matplot
 DISTRIBUTIONS = {"sklearn": "scikit-learn"}
 HELDOUT_PERCENT = 6  # of files, by path hash (the bar is at least 5%)
 MAX_FILE_BYTES = 1 << 20  # a few generated tables are larger; they would dominate the corpus
+# Vendored copies of other projects live under several roots at once, and the stdlib's generated
+# codecs are near-copies of each other: under a split by path, one copy could be held out while
+# its twin is trained on. They are left out, and files whose bytes repeat an earlier file are too.
+VENDORED_DIRS = frozenset({"_vendor", "vendor", "vendored", "externals", "_external", "extern"})
+
+
+def left_out(root: str, relative: str) -> bool:
+    parts = relative.split("/")
+    return bool(VENDORED_DIRS.intersection(parts[:-1])) or (root == "stdlib" and parts[0] == "encodings")
 
 
 def is_heldout(root: str, relative: str) -> bool:
@@ -42,7 +51,7 @@ def roots(packages=PACKAGES) -> dict[str, Path]:
 
 
 def python_files(name: str, root: Path):
-    """(relative path, text) of the root's .py files in sorted order; stdlib skips installed packages."""
+    """(relative path, file path) of the root's .py files in sorted order; stdlib skips installed packages."""
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
         if name == "stdlib" and relative.split("/")[0] in ("site-packages", "dist-packages"):
@@ -54,13 +63,23 @@ def collect(out: Path, packages=PACKAGES) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     manifest = {"python": platform.python_version(), "implementation": sys.implementation.name,
                 "heldout_percent": HELDOUT_PERCENT, "max_file_bytes": MAX_FILE_BYTES, "roots": {}}
+    seen: set[bytes] = set()  # content hashes: a file repeated under two roots is kept once
     with open(out / "train.jsonl", "w") as train, open(out / "heldout.jsonl", "w") as held:
         for name, root in roots(packages).items():
             version = platform.python_version() if name == "stdlib" else importlib.metadata.version(DISTRIBUTIONS.get(name, name))
             stats = {"version": version, "path": str(root), "train_files": 0, "heldout_files": 0,
-                     "train_bytes": 0, "heldout_bytes": 0, "skipped_large": 0, "skipped_undecodable": 0}
+                     "train_bytes": 0, "heldout_bytes": 0, "skipped_large": 0, "skipped_undecodable": 0,
+                     "skipped_vendored_or_generated": 0, "skipped_duplicate": 0}
             for relative, path in python_files(name, root):
+                if left_out(name, relative):
+                    stats["skipped_vendored_or_generated"] += 1
+                    continue
                 raw = path.read_bytes()
+                digest = hashlib.sha256(raw).digest()
+                if digest in seen:
+                    stats["skipped_duplicate"] += 1
+                    continue
+                seen.add(digest)
                 if len(raw) > MAX_FILE_BYTES:
                     stats["skipped_large"] += 1
                     continue

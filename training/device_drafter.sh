@@ -15,7 +15,7 @@ rm -rf "$WORK/drafter"
 python3 training/train_drafter.py --target "$PAIR/target" --data "$DATA" --out "$WORK/drafter" ${DRAFTER_ARGS:-}
 rm -rf "$PAIR/drafter" && cp -r "$WORK/drafter" "$PAIR/drafter"
 cp "$WORK"/drafter/*.safetensors "$OUT/"
-cp "$WORK"/drafter_log.json "$WORK"/drafter_loss.png "$WORK"/drafter/config.json "$OUT/" 2>/dev/null || true
+cp "$WORK"/drafter_log.json "$WORK"/drafter_loss.png "$WORK"/drafter/config.json "$OUT/"
 mv "$OUT/config.json" "$OUT/drafter_config.json"
 python3 benchmarks/demo_pair.py --heldout "$DATA/heldout.jsonl" --out-dir "$WORK/results" ${REPORT_ARGS:-}
 tar -C "$WORK/results" -cf "$OUT/report.tar" .

@@ -25,16 +25,20 @@ class MasterAdamW:
                                       {"params": plain, "weight_decay": 0.0}], lr=lr, betas=betas, fused=fused)
 
     def step(self, lr: float, clip: float = 1.0) -> float:
-        """Copy grads to the masters, clip their global norm, step, copy back; returns the norm."""
+        """Copy grads to the masters, clip their global norm, step, copy back; returns the norm.
+        A parameter without a gradient this step is neither stepped nor overwritten."""
+        stepped = []
         for m, p in zip(self.master, self.params):
             m.grad = None if p.grad is None else p.grad.float()
+            if p.grad is not None:
+                stepped.append((m, p))
             p.grad = None
         norm = torch.nn.utils.clip_grad_norm_(self.master, clip)
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
         with torch.no_grad():
-            for m, p in zip(self.master, self.params):
+            for m, p in stepped:
                 p.copy_(m)
         return float(norm)
 

@@ -1,7 +1,7 @@
 """Evaluation prompts from the held-out split only: functions' signatures with their docstrings,
 and files' opening lines.
 
-    python training/prompts.py --data DATA --out benchmarks/data/demo_prompts.jsonl
+    python -m training.prompts --data DATA --out benchmarks/data/demo_prompts.jsonl
 
 Deterministic: files in order of their path hash, at most one prompt of each kind per file.
 Prompts end with the last line's text, not a line break: the byte-level BPE merges a line break
@@ -24,8 +24,8 @@ MAX_CHARS = 1200  # keeps prompts well inside the model's training window
 
 
 def function_prompt(text: str) -> str | None:
-    """The first function in the file with a docstring: its def line(s) through the docstring,
-    dedented."""
+    """The first function with a docstring in breadth-first order (top-level functions before
+    methods and nested ones): its def line(s) through the docstring, dedented."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):

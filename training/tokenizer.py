@@ -1,7 +1,7 @@
 """Train the demo pair's byte-level BPE tokenizer on the training split, save it where
 transformers' AutoTokenizer finds it, and encode both splits into token files.
 
-    python training/tokenizer.py --data DATA --out TOKENIZER_DIR
+    python -m training.tokenizer --data DATA --out TOKENIZER_DIR
     # TOKENIZER_DIR/tokenizer.json + tokenizer_config.json; DATA/train.npy, DATA/heldout.npy (uint16)
 
 Documents are joined with the end-of-text token, which also ends each one; the mask token (the

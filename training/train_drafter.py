@@ -1,6 +1,6 @@
 """Train the demo pair's DFlash drafter on the frozen demo target's own hidden features.
 
-    python training/train_drafter.py --target OUT/target --data DATA --out OUT/drafter --minutes 7
+    python -m training.train_drafter --target OUT/target --data DATA --out OUT/drafter --minutes 7
 
 The DFlash recipe: in each training window, anchors are sampled; the block after each anchor is
 masked and all its positions are predicted in one non-causal pass conditioned on the target's

@@ -1,6 +1,6 @@
 """Train the demo target: a small Kimi-K2-architecture Python coder (training/demo_config.py).
 
-    python training/train_target.py --data DATA --tokenizer TOKDIR --out OUT/target --minutes 7
+    python -m training.train_target --data DATA --tokenizer TOKDIR --out OUT/target --minutes 7
 
 Next-token cross-entropy on random windows of the training split, bf16 compute with float32
 master weights; the noaux_tc router's correction bias follows DeepSeek-V3's auxiliary-loss-free
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ddtree.models import Target, TargetConfig, save_target
-from ddtree.models.moe import MoE
+from training.balance import RouterBalance
 from training.data import TokenWindows
 from training.demo_config import EOT_ID, SEQ_LEN, target_config
 from training.loop import MasterAdamW, Schedule, environment, plot_losses, write_log
@@ -46,37 +46,6 @@ def init_target(cfg: TargetConfig, device, dtype, seed: int) -> Target:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(dtype)
-
-
-class RouterBalance:
-    """Counts the tokens each MoE layer sends to each expert during a step; update() nudges the
-    correction bias by rate * sign(mean load - load) (DeepSeek-V3's bias update)."""
-
-    def __init__(self, model: Target, rate: float):
-        self.rate = rate
-        self.moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-        self.loads = [None] * len(self.moes)
-        for i, moe in enumerate(self.moes):
-            moe.gate.register_forward_hook(self._hook(i))
-
-    def _hook(self, i):
-        def record(module, inputs, output):
-            counts = torch.bincount(output[1].flatten(), minlength=module.weight.shape[0]).float()
-            self.loads[i] = counts if self.loads[i] is None else self.loads[i] + counts
-        return record
-
-    @torch.no_grad()
-    def update(self) -> float:
-        """Apply the bias step; returns the worst layer's max load / mean load of this step."""
-        worst = 1.0
-        for moe, load in zip(self.moes, self.loads):
-            if load is None:
-                continue
-            mean = load.mean()
-            moe.gate.e_score_correction_bias += self.rate * torch.sign(mean - load).to(moe.gate.e_score_correction_bias.dtype)
-            worst = max(worst, float(load.max() / mean))
-        self.loads = [None] * len(self.moes)
-        return worst
 
 
 @torch.no_grad()
@@ -119,8 +88,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     train = TokenWindows(args.data / "train.npy", args.seq, seed=args.seed)
     held = TokenWindows(args.data / "heldout.npy", args.seq, seed=args.seed + 1)
+    balance = RouterBalance(model, args.bias_rate)  # first: it takes the biases out of the optimizer
     opt = MasterAdamW(model.parameters(), args.lr, args.weight_decay)
-    balance = RouterBalance(model, args.bias_rate)
     schedule = Schedule(args.lr, args.steps, args.minutes * 60, args.warmup)
     log = {"args": {k: str(v) for k, v in vars(args).items()}, "config": raw, "parameters": params,
            "train_tokens_available": len(train), "environment": environment(), "train": [], "heldout": []}
@@ -148,7 +117,7 @@ def main() -> None:
         if step % args.eval_every == 0:
             model.eval()
             value, _ = heldout_loss(model, held, args.batch, 256 * args.seq, device)
-            balance.loads = [None] * len(balance.moes)  # evaluation routing is not a training load
+            balance.reset()  # evaluation routing is not a training load
             model.train()
             log["heldout"].append({"step": step, "tokens": tokens, "loss": value})
     bar.close()

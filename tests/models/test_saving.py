@@ -59,3 +59,21 @@ def test_a_tensor_larger_than_a_shard_is_refused(tmp_path):
     model = random_target(TargetConfig.from_dict(tiny_config().to_dict()), dtype=torch.float32)
     with pytest.raises(ValueError, match="larger than max_shard_bytes"):
         save_target(model, tiny_config().to_dict(), tmp_path, max_shard_bytes=100)
+
+
+def test_saving_again_replaces_earlier_shards_and_index(tmp_path):
+    raw = tiny_config().to_dict()
+    first = random_target(TargetConfig.from_dict(raw), dtype=torch.float32, seed=1)
+    second = random_target(TargetConfig.from_dict(raw), dtype=torch.float32, seed=2)
+    save_target(first, raw, tmp_path, dtype=torch.float32, max_shard_bytes=40_000)  # sharded, with an index
+    save_target(second, raw, tmp_path, dtype=torch.float32, max_shard_bytes=1 << 30)  # one file
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+    loaded = load_target(tmp_path, dtype=torch.float32)
+    assert torch.equal(loaded.embed_tokens.weight, second.embed_tokens.weight)
+
+
+def test_a_tied_config_with_a_separate_lm_head_is_refused(tmp_path):
+    raw = tiny_config(tie_word_embeddings=True).to_dict()
+    model = random_target(TargetConfig.from_dict(raw), dtype=torch.float32)  # lm_head not tied to the embedding
+    with pytest.raises(ValueError, match="ties lm_head"):
+        save_target(model, raw, tmp_path)

@@ -26,7 +26,7 @@ def target_tensors(model: Target) -> dict[str, torch.Tensor]:
         if name.endswith((".w_gate_up", ".w_down")):
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
+            raise ValueError("the config ties lm_head to embed_tokens but the model's lm_head is a separate tensor")
         out[name if name == "lm_head.weight" else f"model.{name}"] = param.detach()
     if not cfg.tie_word_embeddings and "lm_head.weight" not in out:  # a tied module that the config calls untied
         out["lm_head.weight"] = model.lm_head.weight.detach()
@@ -44,10 +44,14 @@ def target_tensors(model: Target) -> dict[str, torch.Tensor]:
 
 
 def write_shards(tensors: dict[str, torch.Tensor], path: str | Path, dtype: torch.dtype, max_shard_bytes: int) -> list[str]:
-    """Save tensors (cast to dtype, on the CPU) as safetensors shards of at most max_shard_bytes;
-    returns the shard file names. One shard is model.safetensors, several get an index."""
+    """Save tensors (cast to dtype, on the CPU) as safetensors shards of at most max_shard_bytes,
+    replacing any earlier weights in path; returns the shard file names. One shard is
+    model.safetensors, several get an index."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    # An earlier save's shards or index would be read instead of (or mixed with) these weights.
+    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):

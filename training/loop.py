@@ -101,8 +101,12 @@ def environment() -> dict:
     import platform
 
     import numpy
-    import triton  # noqa: F401 (the engine's kernels)
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:  # not installed off Linux
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
             "numpy": numpy.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

@@ -35,7 +35,8 @@ class Engine:
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
-        max_budget: the largest tree budget a request may ask for."""
+        max_budget: the largest tree budget a request may ask for.
+        The engine freezes the models it is given (requires_grad False on every weight)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         # Serving never differentiates: without this, every cache write from a weight that
         # requires grad chains an autograd graph through the caches and keeps each round's

@@ -128,11 +128,11 @@ def generate(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "generate" and args.drafter is not None and args.target is None:
-        sys.stderr.write("ddtree generate: error: --drafter needs --target DIR (without both: the demo pair)\n")
+    if args.drafter is not None and args.target is None:  # generate and serve
+        sys.stderr.write(f"ddtree {args.command}: error: --drafter needs --target DIR (without both: the demo pair)\n")
         return 2
-    if args.command == "generate" and args.target is not None and args.mode != "ar" and args.drafter is None:
-        sys.stderr.write(f"ddtree generate: error: --mode {args.mode} needs --drafter DIR (or use --mode ar)\n")
+    if args.target is not None and args.mode != "ar" and args.drafter is None:
+        sys.stderr.write(f"ddtree {args.command}: error: --mode {args.mode} needs --drafter DIR (or use --mode ar)\n")
         return 2
     try:
         if args.command == "generate":

@@ -65,3 +65,19 @@ def test_serve_argument_errors_are_one_line(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_bad_port_is_an_argparse_error(port, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(ddtree.demo, "TARGET_DIR", tmp_path / "no-target")  # nothing loads either way
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", port])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "argument --port" in err
+
+
+def test_serve_port_zero_is_accepted():
+    from ddtree.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--port", "0"]).port == 0

@@ -12,15 +12,19 @@ import platform
 import sys
 from pathlib import Path
 
+from ..cli import _positive
 
-def _positive_int(text: str) -> int:
+_positive_int = _positive(int)
+
+
+def _port(text: str) -> int:
     value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {text}")
     return value
 
 
-_positive_int.__name__ = "int"  # argparse names the type in its error
+_port.__name__ = "int"  # argparse names the type in its error
 
 
 def add_serve_command(commands) -> argparse.ArgumentParser:
@@ -29,7 +33,7 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
     p.add_argument("--target", help="target model directory (config.json + safetensors); default: the demo pair")
     p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="0: any free port")
     p.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree",
                    help="default decoding mode (a request may pick its own with ddtree: {mode})")
     p.add_argument("--budget", type=_positive_int, default=64, help="default tree budget (ddtree: {budget})")
@@ -73,13 +77,8 @@ def _metadata(engine, dtype) -> dict:
 
 def serve(args) -> int:
     """Run the server until interrupted; returns the exit code. Errors loading the checkpoints
-    propagate (ddtree's main prints them as one line)."""
-    if args.drafter is not None and args.target is None:
-        sys.stderr.write("ddtree serve: error: --drafter needs --target DIR (without both: the demo pair)\n")
-        return 2
-    if args.target is not None and args.mode != "ar" and args.drafter is None:
-        sys.stderr.write(f"ddtree serve: error: --mode {args.mode} needs --drafter DIR (or use --mode ar)\n")
-        return 2
+    propagate (ddtree's main prints them as one line). ddtree's main has checked --target /
+    --drafter / --mode."""
     if args.target is None:
         from ..demo import demo_pair
 

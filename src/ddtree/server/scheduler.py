@@ -48,7 +48,7 @@ class Scheduler:
         self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # scheduler thread only
-        self._lock = threading.Lock()  # guards _queued, shared with the HTTP side
+        self._lock = threading.Lock()  # guards _queued, and orders submit's put against stop
         self._queued = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,7 +62,8 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
+        with self._lock:  # after this no submit puts: the thread's final drain sees every job put before
+            self._stop.set()
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -74,14 +75,14 @@ class Scheduler:
     def submit(self, job: Job, loop) -> Handle:
         """Queue a job; its events arrive in the returned handle. Raises QueueFull, or
         RuntimeError once the scheduler is stopping."""
-        if self._stop.is_set():
-            raise RuntimeError("the server is shutting down")
-        with self._lock:
+        handle = Handle(job.request_id, loop)
+        with self._lock:  # the stop check and the put together: stop() cannot fall between them
+            if self._stop.is_set():
+                raise RuntimeError("the server is shutting down")
             if self._queued >= self.max_queue:
                 raise QueueFull(f"{self._queued} requests are waiting (max_queue={self.max_queue})")
             self._queued += 1
-        handle = Handle(job.request_id, loop)
-        self._inbox.put(("submit", job, handle))
+            self._inbox.put(("submit", job, handle))
         return handle
 
     def abort(self, request_id: str) -> None:

@@ -1,0 +1,58 @@
+"""The scheduler on its own, with a stand-in engine: races between the HTTP side and its thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from ddtree.server.jobs import Failed, Job
+from ddtree.server.metrics import Metrics
+from ddtree.server.scheduler import Scheduler
+
+
+class _IdleEngine:
+    """What the scheduler reads from an engine that never gets a request."""
+
+    blocks = SimpleNamespace(num_free=4, num_pages=4, num_promised=0)
+    num_running = 0
+
+    def has_unfinished(self) -> bool:
+        return False
+
+
+class _StopBeforePut:
+    """The inbox, with stop() started (in another thread) just before a submission is put: the
+    interleaving where submit has passed its check of _stop and the thread drains and exits."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.inner, self.stopper = scheduler, scheduler._inbox, None
+
+    def put(self, item) -> None:
+        if item is not None and item[0] == "submit" and self.stopper is None:
+            self.stopper = threading.Thread(target=self.scheduler.stop)
+            self.stopper.start()
+            self.scheduler._thread.join(1.0)  # the old submit: the thread is gone before the put
+        self.inner.put(item)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_submission_racing_stop_gets_an_event():
+    scheduler = Scheduler(_IdleEngine(), Metrics(), idle_wait_s=0.01)
+    scheduler.start()
+    inbox = scheduler._inbox = _StopBeforePut(scheduler)
+    job = Job("cmpl-race", "x", None, 4, {"temperature": 0.0}, "ar", 1)
+
+    async def submit_and_wait():
+        handle = scheduler.submit(job, asyncio.get_running_loop())
+        return await asyncio.wait_for(handle.next(), 5)
+
+    try:
+        event = asyncio.run(submit_and_wait())
+    finally:
+        if inbox.stopper is not None:
+            inbox.stopper.join(5)
+    assert isinstance(event, Failed) and event.error.status == 503
+    assert scheduler.snapshot["queued"] == 0

@@ -3,6 +3,7 @@ disconnect (streamed and not) aborted with their pages freed, the bounded queue 
 Retry-After), and a bounded load test that ends with every page free."""
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -88,6 +89,40 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(idle_server):
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(3)) if line.startswith("data: ")]
         assert got and idle_server.state.scheduler.snapshot["pages_in_use"] > 0
+    _aborted_quickly(idle_server, generated, cancelled, 240)
+
+
+def test_stream_aborted_when_the_client_leaves_before_its_first_byte(idle_server):
+    """The client is gone between Accepted and the body's first iteration: the response's first
+    send fails (as uvicorn's does once the client left, ASGI 2.4), so the body generator never
+    starts; the request must still be aborted and counted. Driven at the ASGI level, so the
+    timing is exact."""
+    generated, cancelled = _counts(idle_server.url)
+    body = json.dumps({"prompt": "abc", "max_tokens": 240, "ignore_eos": True, "stream": True, "temperature": 0,
+                       "ddtree": {"mode": "ar"}}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    sent = []
+
+    async def drive():
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # no http.disconnect: only the failed send tells
+
+        async def send(message):
+            sent.append(message["type"])
+            raise OSError("the client went away")
+
+        with pytest.raises(Exception):  # Starlette's ClientDisconnect, through the middleware
+            await idle_server.app(scope, receive, send)
+
+    asyncio.run(drive())
+    assert sent[0] == "http.response.start"
     _aborted_quickly(idle_server, generated, cancelled, 240)
 
 

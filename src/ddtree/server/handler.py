@@ -1,9 +1,10 @@
 """The HTTP side of one generation request: submit the job, wait for the engine's verdict, then
 stream its chunks as server-sent events or collect them into one response.
 
-A client that disconnects has its request aborted: while the response is not started, a watcher
-on the ASGI receive channel sees the disconnect; once streaming, Starlette cancels the stream and
-the generator's `finally` aborts. Either way the scheduler drops it before the next round.
+A client that disconnects has its request aborted: a watcher on the ASGI receive channel sees the
+disconnect, before the response starts and while it streams; a stream is also aborted when its
+response ends in any other way (a failed send, a cancellation, the body never iterated), from the
+response's own `finally`. Either way the scheduler drops it before the next round.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .errors import APIError, internal_error
-from .jobs import Chunk, Failed, Job
+from .jobs import Accepted, Chunk, Failed, Job
 from .protocol import StreamOptions
 from .responses import ResponseShape, sse
 from .scheduler import QueueFull
@@ -59,24 +60,9 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
         return APIError(503, str(err), code="shutting_down").response()
     shape = ResponseShape(kind, job.request_id, state.config.model_name)
     watcher = asyncio.ensure_future(_disconnected(request))
-    status = 500
+    status, texts = 500, []
     try:
-        event = await _next(handle, watcher)
-        if event is _GONE:
-            scheduler.abort(job.request_id)
-            status = CLIENT_CLOSED
-            return Response(status_code=CLIENT_CLOSED)
-        if isinstance(event, Failed):
-            status = event.error.status
-            return event.error.response()
-        if stream:
-            watcher.cancel()  # from here Starlette's StreamingResponse watches for the disconnect
-            status = None  # counted by the stream itself
-            return StreamingResponse(_stream(handle, shape, options or StreamOptions(), state, endpoint),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
-        texts = []
-        while True:
+        while True:  # Accepted or Failed first, then the chunks
             event = await _next(handle, watcher)
             if event is _GONE:
                 scheduler.abort(job.request_id)
@@ -85,6 +71,14 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
             if isinstance(event, Failed):
                 status = event.error.status
                 return event.error.response()
+            if isinstance(event, Accepted):
+                if not stream:
+                    continue
+                # from here the stream owns the watcher, the abort and the count, whatever happens
+                stream_ = _Stream(handle, shape, options or StreamOptions(), state, endpoint, watcher)
+                status, watcher = None, None
+                return _ClosingStream(stream_.events(), stream_.close, media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
             texts.append(event.text)
             if event.finish_reason is not None:
                 status = 200
@@ -96,39 +90,75 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
         status = 500
         return internal_error(job.request_id).response()
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
         if status is not None:
             metrics.requests.labels(endpoint, str(status)).inc()
 
 
-async def _stream(handle, shape: ResponseShape, options: StreamOptions, state, endpoint: str):
-    """Server-sent events: one per committed chunk, the usage chunk if asked, then [DONE]. An error
-    after the stream started is sent as an `error` event (its status is counted)."""
-    status, done = CLIENT_CLOSED, False
-    try:
-        if shape.kind == "chat":
-            yield sse(shape.chunk("", role=True))
-        while True:
-            event = await handle.next()
-            if isinstance(event, Failed):
-                status, done = event.error.status, True
-                yield sse(event.error.body())
-                break
-            assert isinstance(event, Chunk)
-            if event.text or event.finish_reason is not None:
-                usage = event.usage if options.continuous_usage_stats else None
-                yield sse(shape.chunk(event.text, event.finish_reason, usage))
-            if event.finish_reason is not None:
-                status, done = 200, True
-                if options.include_usage:
-                    yield sse(shape.usage_chunk(event.usage))
-                break
-        yield sse("[DONE]")
-    except Exception:  # a bug while writing this stream: fail it alone
-        log.exception("request %s: failed while streaming", handle.request_id)
-        status = 500
-        yield sse(internal_error(handle.request_id).body())
-    finally:
-        if not done:  # cancelled (the client went away) or failed: free its slot and pages
-            state.scheduler.abort(handle.request_id)
-        state.metrics.requests.labels(endpoint, str(status)).inc()
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that calls `on_close` however it ends: sent in full, the client gone
+    mid-stream, or gone before the body's first iteration (then an async generator's own `finally`
+    never runs, since it never started)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _Stream:
+    """One streamed request after its Accepted: the server-sent events, and `close`, which aborts
+    the request unless it ended and counts its status (once)."""
+
+    def __init__(self, handle, shape: ResponseShape, options: StreamOptions, state, endpoint: str,
+                 watcher: asyncio.Task):
+        self.handle, self.shape, self.options, self.state, self.endpoint = handle, shape, options, state, endpoint
+        self.watcher = watcher  # the disconnect watcher, alive until close: a queued request is
+        self.status, self.done, self.closed = CLIENT_CLOSED, False, False  # aborted while waiting too
+
+    async def events(self):
+        """One event per committed chunk, the usage chunk if asked, then [DONE]. An error after the
+        stream started is sent as an `error` event (its status is counted)."""
+        shape, options = self.shape, self.options
+        try:
+            if shape.kind == "chat":
+                yield sse(shape.chunk("", role=True))
+            while True:
+                event = await _next(self.handle, self.watcher)
+                if event is _GONE:
+                    return  # close() aborts it
+                if isinstance(event, Failed):
+                    self.status, self.done = event.error.status, True
+                    yield sse(event.error.body())
+                    break
+                assert isinstance(event, Chunk)
+                if event.text or event.finish_reason is not None:
+                    usage = event.usage if options.continuous_usage_stats else None
+                    yield sse(shape.chunk(event.text, event.finish_reason, usage))
+                if event.finish_reason is not None:
+                    self.status, self.done = 200, True
+                    if options.include_usage:
+                        yield sse(shape.usage_chunk(event.usage))
+                    break
+            yield sse("[DONE]")
+        except Exception:  # a bug while writing this stream: fail it alone
+            log.exception("request %s: failed while streaming", self.handle.request_id)
+            self.status, self.done = 500, False
+            yield sse(internal_error(self.handle.request_id).body())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.watcher.cancel()
+        if not self.done:  # the client went away, or a bug: free its slot and pages
+            self.state.scheduler.abort(self.handle.request_id)
+        self.state.metrics.requests.labels(self.endpoint, str(self.status)).inc()

@@ -35,6 +35,15 @@ def test_completion_equals_the_request_served_alone(idle_server, reference):
     stats = usage["ddtree"]
     assert (stats["mode"], stats["budget"], stats["rounds"]) == ("ddtree", 8, alone.stats.rounds)
     assert stats["mean_acceptance_length"] == pytest.approx(alone.stats.mean_acceptance_length, abs=1e-3)
+    assert stats["seed"] is None  # greedy: no seed to report
+
+
+def test_sampled_request_without_a_seed_reports_the_one_drawn(idle_server):
+    body = {"prompt": "def fib(n):", "max_tokens": 4, "temperature": 0.7, "ddtree": {"mode": "ar"}}
+    r = httpx.post(f"{idle_server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    seed = r.json()["usage"]["ddtree"]["seed"]
+    assert isinstance(seed, int) and seed >= 0
 
 
 def test_token_id_prompt_and_stop_string(idle_server, reference):

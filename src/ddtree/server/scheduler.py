@@ -225,15 +225,17 @@ class Scheduler:
         live.produced += count
         self.metrics.generated_tokens.inc(count)
         job = live.job
+        sampled = bool(job.sampling.get("temperature"))  # greedy (temperature 0) draws no noise: no seed
         usage = Usage(live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
-                      seed=job.sampling.get("seed"))
+                      seed=job.sampling.get("seed") if sampled else None)
         if not out.finished:
             live.handle.push(Chunk(out.new_text or "", count, usage))
             return
         result = self.engine.take_result(rid)
         del self._live[rid]
         stats = result.stats
-        usage.rounds, usage.mean_acceptance_length, usage.seed = stats.rounds, stats.mean_acceptance_length, result.seed
+        usage.rounds, usage.mean_acceptance_length = stats.rounds, stats.mean_acceptance_length
+        usage.seed = result.seed if sampled else None
         for length in stats.acceptance_lengths:
             self.metrics.acceptance_length.observe(length)
         self.metrics.request_seconds.observe(now - live.accepted_at)

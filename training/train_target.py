@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ddtree.models import Target, TargetConfig, save_target
+from ddtree.models import Target, TargetConfig, random_target, save_target
 from training.balance import RouterBalance
 from training.data import TokenWindows
 from training.demo_config import EOT_ID, SEQ_LEN, target_config
@@ -31,21 +31,16 @@ from training.moe_dense import use_dense_moe
 
 
 def init_target(cfg: TargetConfig, device, dtype, seed: int) -> Target:
-    """Normal(0, 0.02) weights, residual outputs scaled by 1/sqrt(2 * layers), norms 1, bias 0."""
-    torch.manual_seed(seed)
-    model = Target(cfg).to(device)
-    out_std = 0.02 / math.sqrt(2 * cfg.num_hidden_layers)
+    """random_target's init (Normal(0, 0.02), norms 1, router bias 0), with the residual outputs
+    scaled down to 0.02 / sqrt(2 * layers) and the embeddings tied when the config says so."""
+    model = random_target(cfg, dtype=dtype, device=device, seed=seed, std=0.02)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, out_std if name.endswith(("o_proj.weight", "down_proj.weight", "w_down")) else 0.02)
+            if name.endswith(("o_proj.weight", "down_proj.weight", "w_down")):
+                p.mul_(1 / math.sqrt(2 * cfg.num_hidden_layers))
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(dtype)
+    return model
 
 
 @torch.no_grad()

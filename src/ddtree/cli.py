@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit")
+STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-pages", type=_positive(int), default=None)
     gen.add_argument("--page-size", type=_positive(int), default=64)
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
+    gen.add_argument("--cuda-graphs", action="store_true", help="replay rounds from CUDA graphs (CUDA only)")
     from .server.command import add_serve_command
 
     add_serve_command(commands)
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _stats_line(out) -> str:
     s = out.stats
-    stages = ", ".join(f"{name} {s.stage_seconds[name] * 1e3:.1f}" for name in STAGE_ORDER)
+    stages = ", ".join(f"{name} {s.stage_seconds[name] * 1e3:.1f}" for name in STAGE_ORDER
+                       if name != "round" or s.stage_seconds[name])  # round: graph replays, when on
     return (f"[{out.request_id}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.rounds} rounds, "
             f"mean acceptance length {s.mean_acceptance_length:.2f}, {s.tokens_per_s:.1f} tokens/s; "
             f"ms per stage: {stages}")
@@ -82,7 +84,7 @@ def generate(args) -> None:
     engine = Engine.from_pretrained(
         args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
-        num_pages=args.num_pages, page_size=args.page_size)
+        num_pages=args.num_pages, page_size=args.page_size, cuda_graphs=args.cuda_graphs)
     if engine.tokenizer is None:
         raise ValueError(f"{args.target or 'the demo pair'} has no tokenizer: text prompts cannot be encoded")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -17,6 +17,7 @@ import torch
 from ..models import Drafter, Target, load_drafter, load_target
 from ..tree.types import MAX_TRITON_BUDGET
 from .batch import BatchState, SlotSettings
+from .graphs import RoundGraphs
 from .loading import default_num_pages, load_tokenizer, stop_token_ids
 from .pages import BlockManager, KVCacheFull, pages_for
 from .prefill import prefill
@@ -31,11 +32,13 @@ class Engine:
     def __init__(self, target: Target, drafter: Drafter | None = None, tokenizer=None, *, max_batch: int = 32,
                  max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
                  max_budget: int = 256, prefill_chunk: int = 512, stop_token_ids: tuple[int, ...] = (),
-                 time_stages: bool = True):
+                 time_stages: bool = True, cuda_graphs: bool = False):
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
         max_budget: the largest tree budget a request may ask for.
+        cuda_graphs: replay each round shape from a CUDA graph (engine/graphs.py; CUDA only). Off by
+        default until the graphed rounds are measured on the H200.
         The engine freezes the models it is given (requires_grad False on every weight)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         # Serving never differentiates: without this, every cache write from a weight that
@@ -64,6 +67,9 @@ class Engine:
         self.moe_layers = len(moe_layers)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.timer = StageTimer(self.device, time_stages)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs the models on a CUDA device, got {self.device}")
+        self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if cuda_graphs else None
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._requests: dict[str, Request] = {}
@@ -227,7 +233,8 @@ class Engine:
         self.blocks.reserve([(r.slot, r.prefix_len + r.node_limit + 1, r.id) for r in requests])
         self.state.block_table[: plan.bucket].copy_(self.blocks.table[: plan.bucket], non_blocking=True)
         self.timer.start()
-        result = run_round(self.ctx, self.state, plan, self.max_depth, self.timer).tolist()  # the one sync
+        result = (self.graphs.run(plan, self.timer) if self.graphs is not None
+                  else run_round(self.ctx, self.state, plan, self.max_depth, self.timer)).tolist()  # the one sync
         seconds = self.timer.seconds()
         outputs = []
         for request in requests:

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-STAGES = ("prefill", "draft", "topk", "build", "verify", "accept", "commit")
+STAGES = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")  # round: a graph replay
 
 
 class StageTimer:

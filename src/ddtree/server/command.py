@@ -50,6 +50,7 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay rounds from CUDA graphs (CUDA only)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -92,7 +93,8 @@ def serve(args) -> int:
     engine = Engine.from_pretrained(
         args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
-        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget)
+        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget,
+        cuda_graphs=args.cuda_graphs)
     name = args.served_model_name or (Path(args.target).resolve().name if args.target else "ddtree-demo")
     config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,

@@ -1,0 +1,80 @@
+"""CUDA graphs of whole rounds: one per RoundPlan, captured lazily, replayed with the batch padded
+to its bucket.
+
+run_round is written for capture (static shapes for a plan, no host reads), so the graph of a plan
+is simply run_round recorded once. The first round of a plan runs eagerly: it compiles the Triton
+kernels and initializes cuBLAS before anything is recorded, and it does real work, so no state has
+to be saved and restored around a warm-up. The second round of that plan captures the graph (which
+executes nothing) and replays it; every later one only replays.
+
+A replay reads the batch state where the capture found it (the same tensors, updated in place
+between rounds) and writes its result into the graph's own output tensor: read that before the
+next replay of any graph, since all graphs share one memory pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .batch import BatchState
+from .round import RoundContext, RoundPlan, run_round
+from .timing import StageTimer
+
+
+def graph_key_limit(key_limit: int | None, capacity: int) -> int | None:
+    """The drafter key bound a graphed round uses: the next power of two >= key_limit (at most the
+    capacity), so that a growing context needs a new graph only when its length doubles."""
+    if key_limit is None:
+        return None
+    bound = 64
+    while bound < key_limit:
+        bound *= 2
+    return min(bound, capacity)
+
+
+class RoundGraphs:
+    """Per-plan CUDA graphs of run_round over one engine's context and batch state."""
+
+    def __init__(self, ctx: RoundContext, state: BatchState, max_depth: int, max_graphs: int = 64):
+        """max_graphs: plans to keep graphs for; a new plan past it runs eagerly (logged once)."""
+        if state.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the engine on a CUDA device, got {state.device}")
+        self.ctx, self.state, self.max_depth, self.max_graphs = ctx, state, max_depth, max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[RoundPlan, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._seen: set[RoundPlan] = set()
+        self._idle_timer = StageTimer(state.device, enabled=False)
+        self.captures = 0
+        self.replays = 0
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, plan: RoundPlan, timer: StageTimer) -> torch.Tensor:
+        """One round for `plan`; returns int64 [bucket, result_width] (run_round's result). Eager
+        rounds mark every stage on `timer`; replays mark one stage, "round"."""
+        if plan.key_limit is not None:
+            capacity = self.state.drafter.keys[0].shape[1]
+            plan = dataclasses.replace(plan, key_limit=graph_key_limit(plan.key_limit, capacity))
+        entry = self._graphs.get(plan)
+        if entry is None:
+            if plan not in self._seen or len(self._graphs) >= self.max_graphs:
+                self._seen.add(plan)
+                return run_round(self.ctx, self.state, plan, self.max_depth, timer)
+            entry = self._capture(plan)
+        graph, result = entry
+        graph.replay()
+        self.replays += 1
+        timer.mark("round")
+        return result
+
+    def _capture(self, plan: RoundPlan) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()  # the eager rounds before must be done: capture uses a side stream
+        with torch.cuda.graph(graph, pool=self.pool):
+            result = run_round(self.ctx, self.state, plan, self.max_depth, self._idle_timer)
+        self._graphs[plan] = (graph, result)
+        self.captures += 1
+        return graph, result

@@ -1,0 +1,56 @@
+"""Rounds replayed from CUDA graphs (engine/graphs.py) commit exactly what eager rounds commit."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ddtree import Engine  # noqa: E402
+from ddtree.engine.graphs import graph_key_limit  # noqa: E402
+
+from .pairs import make_pair, prompts  # noqa: E402
+
+
+def test_graph_key_limit_rounds_up_to_a_power_of_two_within_the_capacity():
+    assert graph_key_limit(None, 4096) is None
+    assert [graph_key_limit(n, 4096) for n in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
+    assert graph_key_limit(3000, 3100) == 3100  # never past the drafter cache
+
+
+def test_cuda_graphs_refuse_a_cpu_engine(tmp_path):
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    with pytest.raises(ValueError, match="cuda_graphs needs the models on a CUDA device"):
+        Engine.from_pretrained(target_dir, drafter_dir, device="cpu", cuda_graphs=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_rounds_equal_eager_rounds(tmp_path, dtype):
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    batch = prompts(6, 96, seed=8)
+    kwargs = dict(device="cuda", dtype=dtype, page_size=16, max_batch=8, stop_token_ids=())
+    eager = Engine.from_pretrained(target_dir, drafter_dir, **kwargs)
+    graphed = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=True, **kwargs)
+    for mode, budget, temperature in [("ar", 1, 0.0), ("chain", 1, 0.0), ("ddtree", 16, 0.0), ("ddtree", 16, 1.0)]:
+        seeds = list(range(len(batch)))
+        want = eager.generate(batch, max_new_tokens=40, mode=mode, budget=budget, temperature=temperature, seed=seeds)
+        got = graphed.generate(batch, max_new_tokens=40, mode=mode, budget=budget, temperature=temperature, seed=seeds)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], (mode, budget, temperature)
+        assert [o.stats.acceptance_lengths for o in got] == [o.stats.acceptance_lengths for o in want]
+    assert graphed.graphs.captures >= 4 and graphed.graphs.replays > graphed.graphs.captures
+    assert graphed.blocks.num_free == graphed.blocks.num_pages
+
+
+@pytest.mark.cuda
+def test_requests_joining_and_leaving_a_graphed_batch(tmp_path):
+    """Continuous batching over graphs: slots fill and empty between replays of the same bucket."""
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    kwargs = dict(device="cuda", dtype=torch.float32, page_size=16, max_batch=4, stop_token_ids=())
+    eager = Engine.from_pretrained(target_dir, drafter_dir, **kwargs)
+    graphed = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=True, **kwargs)
+    batch = prompts(10, 96, seed=3)
+    lengths = [8 + 5 * (i % 4) for i in range(len(batch))]  # requests finish at different rounds
+    want = eager.generate(batch, max_new_tokens=lengths, mode="ddtree", budget=8)
+    got = graphed.generate(batch, max_new_tokens=lengths, mode="ddtree", budget=8)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert graphed.graphs.replays > 0

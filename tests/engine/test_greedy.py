@@ -112,3 +112,17 @@ def test_chunked_prefill_equals_one_pass(pair, ar_outputs):
     for mode in ("ar", "ddtree"):
         outs = engine.generate(batch, max_new_tokens=NEW, mode=mode, budget=8)
         assert [o.token_ids for o in outs] == want + [extra], mode
+
+
+def test_expanded_prefill_equals_the_absorbed_one(pair):
+    """Prompts of 6-17 tokens through chunks of 5: the SDPA prefill (the default) and the absorbed
+    tree-kernel prefill it replaced generate the same tokens."""
+    target_dir, drafter_dir, _ = pair
+    batch = prompts(4, 96, seed=7, lengths=(6, 17))
+    outs = {}
+    for form in ("expanded", "absorbed"):
+        engine = Engine.from_pretrained(target_dir, drafter_dir, device="cpu", page_size=16, stop_token_ids=(),
+                                        prefill_chunk=5, prefill_form=form)
+        outs[form] = [[o.token_ids for o in engine.generate(batch, max_new_tokens=12, mode=mode, budget=8)]
+                      for mode in ("ar", "ddtree")]
+    assert outs["expanded"] == outs["absorbed"]

@@ -20,7 +20,7 @@ from .batch import BatchState, SlotSettings
 from .graphs import RoundGraphs
 from .loading import default_num_pages, load_tokenizer, stop_token_ids
 from .pages import BlockManager, KVCacheFull, pages_for
-from .prefill import prefill
+from .prefill import PREFILL_FORMS, prefill
 from .request import MODES, Request, RequestOutput, StepOutput
 from .round import RoundContext, RoundPlan, result_width, run_round
 from .sampling import SamplingParams
@@ -31,12 +31,13 @@ from .timing import StageTimer
 class Engine:
     def __init__(self, target: Target, drafter: Drafter | None = None, tokenizer=None, *, max_batch: int = 32,
                  max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
-                 max_budget: int = 256, prefill_chunk: int = 512, stop_token_ids: tuple[int, ...] = (),
-                 time_stages: bool = True, cuda_graphs: bool = False):
+                 max_budget: int = 256, prefill_chunk: int = 512, prefill_form: str = "expanded",
+                 stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool = False):
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
-        max_budget: the largest tree budget a request may ask for.
+        max_budget: the largest tree budget a request may ask for; prefill_chunk: prompt rows per
+        request per prefill forward; prefill_form: its attention (engine/prefill.py's PREFILL_FORMS).
         cuda_graphs: replay each round shape from a CUDA graph (engine/graphs.py; CUDA only). Off by
         default until the graphed rounds are measured on the H200.
         The engine freezes the models it is given (requires_grad False on every weight)."""
@@ -54,6 +55,9 @@ class Engine:
         if not 1 <= max_budget <= MAX_TRITON_BUDGET:
             raise ValueError(f"max_budget must be in [1, {MAX_TRITON_BUDGET}], got {max_budget}")
         self.max_budget = max_budget
+        if prefill_form not in PREFILL_FORMS:
+            raise ValueError(f"prefill_form must be one of {PREFILL_FORMS}, got {prefill_form!r}")
+        self.prefill_form = prefill_form
         self.max_depth = drafter.cfg.block_size - 1 if drafter is not None else 0
         width = pages_for(self.max_model_len + max(max_budget, self.max_depth) + 1, page_size)
         num_pages = num_pages or default_num_pages(target, page_size, max_batch * width, self.device)
@@ -218,7 +222,7 @@ class Engine:
         sampled, filtered = generation_params([r.params for r in new])
         self.timer.start()
         first = prefill(self.ctx, self.state, [r.slot for r in new], [r.prompt_ids for r in new], self.prefill_chunk,
-                        any_sampled=sampled, any_filtered=filtered).tolist()
+                        any_sampled=sampled, any_filtered=filtered, form=self.prefill_form).tolist()
         self.timer.mark("prefill")
         seconds = self.timer.seconds().get("prefill", 0.0)
         outputs = []

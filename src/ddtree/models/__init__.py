@@ -5,9 +5,10 @@ from .drafter import Drafter, DrafterCache, DrafterConfig, check_pair
 from .loader import load_drafter, load_target, random_target
 from .saving import save_drafter, save_target
 from .paged import ForwardMeta
+from .paged_prefill import PrefillMeta
 from .target import Target
 
 __all__ = [
-    "Drafter", "DrafterCache", "DrafterConfig", "ForwardMeta", "Target", "TargetConfig",
+    "Drafter", "DrafterCache", "DrafterConfig", "ForwardMeta", "PrefillMeta", "Target", "TargetConfig",
     "check_pair", "load_drafter", "load_target", "random_target", "save_drafter", "save_target",
 ]

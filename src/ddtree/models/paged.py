@@ -73,9 +73,10 @@ def cache_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, offsets: t
     return torch.where(keep, pages * page_size + slots % page_size, scratch_page * page_size + r % page_size)
 
 
-def write_entries(cache: torch.Tensor, entries: torch.Tensor, meta: ForwardMeta) -> None:
+def write_entries(cache: torch.Tensor, entries: torch.Tensor, meta) -> None:
     """cache [num_pages, page_size, D] <- entries [B, N, D] at meta.slot_mapping (padding rows
-    land in the scratch page, never in a request's pages)."""
+    land in the scratch page, never in a request's pages). meta: a ForwardMeta, or the prefill's
+    PrefillMeta (models/paged_prefill.py), which maps its rows the same way."""
     width = cache.shape[-1]
     cache.view(-1, width)[meta.slot_mapping.flatten()] = entries.reshape(-1, width).to(cache.dtype)
 

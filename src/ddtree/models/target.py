@@ -1,8 +1,10 @@
 """The MLA + MoE target (DeepSeek-V3 / Kimi K2 family) in PyTorch.
 
 `forward` is a plain causal prefill: MLA expands the latent into per-head keys and values with
-kv_b_proj. `forward_paged` is the verify / decode form: kv_b_proj is absorbed into the query and
-the output, and attention runs over the paged latent cache (models/paged.py).
+kv_b_proj. `forward_paged` runs over the paged latent cache in one of two forms, chosen by its
+metadata: with a ForwardMeta the verify / decode form (kv_b_proj absorbed into the query and the
+output, models/paged.py), with a PrefillMeta the prefill of a prompt chunk (the latents expanded
+like `forward` does, causal SDPA over the request's pages, models/paged_prefill.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 from .config import TargetConfig
 from .moe import MLP, MoE
 from .paged import ForwardMeta, attend, write_entries
+from .paged_prefill import PrefillMeta, gather_entries
 from .rope import apply_rotary, inv_freq_and_factor, softmax_scale
 
 
@@ -64,19 +67,38 @@ class MLA(nn.Module):
         k_rope = apply_rotary(k_rope[:, :, None], positions, *rope, cfg.rope_interleave)[:, :, 0]
         return torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
 
+    def expanded_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
+                           attn_mask=None) -> torch.Tensor:
+        """Non-absorbed form: cache entries [B, L, kv_lora_rank + rope] are expanded by kv_b_proj
+        into per-head k_nope / v, the shared k_rope joins every head, and SDPA attends.
+
+        q_nope [B, N, H, nope], q_rope [B, N, H, rope]; attn_mask None: causal with N == L, else
+        any SDPA mask (PrefillMeta.attn_mask). Returns the o_proj output [B, N, hidden].
+        """
+        cfg = self.cfg
+        b, n, heads, _ = q_nope.shape
+        latent, k_rope = entries.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(b, entries.shape[1], heads, -1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)  # [B, H, N, qk]
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, heads, -1)], -1).transpose(1, 2)  # [B, H, L, qk]
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=attn_mask, is_causal=attn_mask is None,
+                                             scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
     def forward_prefill(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
         """Causal attention over the sequence itself, plain (non-absorbed) form."""
-        cfg = self.cfg
-        b, t, _ = x.shape
         q_nope, q_rope = self.queries(x, positions, rope)
-        entries = self.latents(x, positions, rope)
-        latent, k_rope = entries.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(b, t, cfg.num_attention_heads, -1)
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        q = torch.cat([q_nope, q_rope], -1).transpose(1, 2)  # [B, H, T, qk]
-        k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)], -1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.expanded_attention(q_nope, q_rope, self.latents(x, positions, rope))
+
+    def forward_prefill_paged(self, x: torch.Tensor, meta: PrefillMeta, cache: torch.Tensor,
+                              rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """Prompt chunk over the paged cache, non-absorbed form: writes the new entries (as
+        forward_paged), reads each request's entries 0 .. prefix + N - 1 back, attends causally."""
+        q_nope, q_rope = self.queries(x, meta.positions, rope)
+        write_entries(cache, self.latents(x, meta.positions, rope), meta)
+        entries = gather_entries(cache, meta).to(x.dtype)
+        return self.expanded_attention(q_nope, q_rope, entries, meta.attn_mask)
 
     def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
         """Absorbed form over the paged cache: writes the new entries, then attends (verify / decode)."""
@@ -103,9 +125,10 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward_prefill(self.input_layernorm(x), positions, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, float],
-                      router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.self_attn.forward_paged(self.input_layernorm(x), meta, cache, rope)
+    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta | PrefillMeta, cache: torch.Tensor,
+                      rope: tuple[torch.Tensor, float], router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+        attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
+        x = x + attn(self.input_layernorm(x), meta, cache, rope)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
 
@@ -157,7 +180,7 @@ class Target(nn.Module):
     def forward_paged(
         self,
         input_ids: torch.Tensor,
-        meta: ForwardMeta,
+        meta: ForwardMeta | PrefillMeta,
         caches: list[torch.Tensor],
         hidden_layers: tuple[int, ...] = (),
         *,
@@ -167,6 +190,9 @@ class Target(nn.Module):
         """Prefill chunk, decode step or tree verify over the paged cache.
 
         input_ids int64 [B, N]: the new rows (for a tree: the root, then nodes in DraftTrees order).
+        meta: ForwardMeta runs MLA's absorbed form (the tree-verify kernel on CUDA), any visibility;
+              PrefillMeta runs its non-absorbed causal form (SDPA over the expanded latents), the
+              prefill path. Both write row n's entry at slot prefix + n.
         logit_rows: optional int64 [B], the one row per request whose logits are wanted (a prefill
                     chunk needs only its last); the others skip the final norm and lm_head.
         router_ids: optional list; each MoE layer appends its expert ids int64 [B * N, k].

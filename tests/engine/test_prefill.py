@@ -1,0 +1,72 @@
+"""engine.prefill in its two forms: the expanded (SDPA) prefill writes the same cache entries,
+feeds the drafter the same context and chooses the same first tokens as the absorbed reference,
+for a batch of mixed prompt lengths over several chunks, on shuffled pages poisoned with NaN."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ddtree import Engine  # noqa: E402
+from ddtree.engine.batch import BatchState, SlotSettings  # noqa: E402
+from ddtree.engine.prefill import prefill  # noqa: E402
+from ddtree.engine.round import RoundContext  # noqa: E402
+from ddtree.models import load_drafter, load_target  # noqa: E402
+
+from .pairs import make_pair  # noqa: E402
+
+PAGE, PAGES_EACH, CHUNK = 4, 4, 4
+LENGTHS = [13, 6, 11, 4]  # chunks of 4: all full, then padded, then one prompt's last row
+SLOTS = [3, 0, 4, 1]  # any slots, in any order
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target_dir, drafter_dir, _ = make_pair(tmp_path_factory.mktemp("pair"))
+    target = load_target(target_dir, dtype=torch.float32)
+    return target, load_drafter(drafter_dir, target)
+
+
+def _run(target, drafter, prompts, form):
+    pages = len(SLOTS) * PAGES_EACH + 2  # 2 spare pages; the scratch page comes after them
+    caches = target.new_cache(pages, PAGE)
+    for cache in caches:
+        cache.fill_(float("nan"))
+    state = BatchState(5, PAGES_EACH, torch.device("cpu"), drafter, drafter_capacity=20)
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(1))[: len(SLOTS) * PAGES_EACH]
+    for slot, table in zip(SLOTS, order.view(len(SLOTS), PAGES_EACH)):
+        state.occupy(slot, SlotSettings(0, False, 0.0, 0, 1.0, 0))
+        state.block_table[slot] = table.int()
+    ctx = RoundContext(target, drafter, caches, PAGE, pages, drafter.cfg.target_layer_ids, target.cfg.n_routed_experts)
+    with torch.no_grad():
+        first = prefill(ctx, state, SLOTS, prompts, CHUNK, any_sampled=False, any_filtered=False, form=form)
+    return first, caches, state
+
+
+def test_expanded_prefill_equals_the_absorbed_reference(models):
+    target, drafter = models
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in LENGTHS]
+    first, caches, state = _run(target, drafter, prompts, "expanded")
+    want_first, want_caches, want_state = _run(target, drafter, prompts, "absorbed")
+    assert torch.equal(first, want_first)
+    assert torch.equal(state.bonus, want_state.bonus) and torch.equal(state.prefix_lens, want_state.prefix_lens)
+    assert state.prefix_lens[SLOTS].tolist() == LENGTHS
+    prompt_slot = torch.zeros(caches[0].shape[:2], dtype=torch.bool)
+    for slot, n in zip(SLOTS, LENGTHS):
+        for t in range(n):
+            prompt_slot[state.block_table[slot, t // PAGE], t % PAGE] = True
+    for cache, want in zip(caches, want_caches):
+        # every prompt position written, nothing else outside the scratch page (the last)
+        assert torch.equal(cache[:-1].isnan().all(-1), ~prompt_slot[:-1])
+        torch.testing.assert_close(cache[prompt_slot], want[prompt_slot], rtol=1e-5, atol=1e-5)
+    ctx, want_ctx = state.drafter, want_state.drafter
+    assert torch.equal(ctx.lengths, want_ctx.lengths) and ctx.lengths[SLOTS].tolist() == LENGTHS
+    for got_layer, want_layer in zip(ctx.keys + ctx.values, want_ctx.keys + want_ctx.values):
+        for slot, n in zip(SLOTS, LENGTHS):  # past a prompt's length: padding rows' garbage
+            torch.testing.assert_close(got_layer[slot, :n], want_layer[slot, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_form_is_refused(models):
+    with pytest.raises(ValueError, match="prefill_form must be one of"):
+        Engine(*models, num_pages=8, prefill_form="flash")

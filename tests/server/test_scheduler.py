@@ -12,12 +12,16 @@ from ddtree.server.scheduler import Scheduler
 
 
 class _IdleEngine:
-    """What the scheduler reads from an engine that never gets a request."""
+    """What the scheduler reads from an engine that never gets a request. has_unfinished holds
+    the scheduler's loop until `stopping` is set, so a job put before stop() is first seen after
+    it (never accepted by a loop that has not noticed the stop yet: that race made the test flaky)."""
 
     blocks = SimpleNamespace(num_free=4, num_pages=4, num_promised=0)
     num_running = 0
+    stopping = threading.Event()
 
     def has_unfinished(self) -> bool:
+        self.stopping.wait(5)
         return False
 
 
@@ -40,7 +44,9 @@ class _StopBeforePut:
 
 
 def test_a_submission_racing_stop_gets_an_event():
-    scheduler = Scheduler(_IdleEngine(), Metrics(), idle_wait_s=0.01)
+    engine = _IdleEngine()
+    scheduler = Scheduler(engine, Metrics(), idle_wait_s=0.01)
+    engine.stopping = scheduler._stop
     scheduler.start()
     inbox = scheduler._inbox = _StopBeforePut(scheduler)
     job = Job("cmpl-race", "x", None, 4, {"temperature": 0.0}, "ar", 1)

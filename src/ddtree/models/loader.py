@@ -53,8 +53,9 @@ def checkpoint_tensors(path: Path, dtype: torch.dtype, skip=lambda name: False):
 
 
 def _materialize(module: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
-    """Uninitialized storage on `device` for a module built on the meta device."""
-    return module.to_empty(device=device).to(dtype)
+    """Uninitialized storage on `device` for a module built on the meta device, allocated in
+    `dtype` at once (casting after allocating would peak at float32: 216 GB for 4 of Kimi K2's layers)."""
+    return module.to(dtype).to_empty(device=device)
 
 
 def _empty_target(cfg: TargetConfig, dtype: torch.dtype, device) -> Target:

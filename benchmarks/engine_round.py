@@ -70,6 +70,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, help=f"tokens per request end to end ({FULL['new_tokens']}: the "
                         "prefill's first, then 72, a multiple of every L, so every round commits exactly L)")
     parser.add_argument("--e2e-budget", type=int, default=64)
+    parser.add_argument("--eager-e2e", action="store_true", help="end to end without the engine's CUDA graphs")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
@@ -163,7 +164,8 @@ def main(argv=None) -> Path:
             torch.cuda.empty_cache()
         print(f"[{time.perf_counter() - start:5.0f} s] end to end", flush=True)
         e2e = forced_acceptance(target, drafter, perm, batches=args.e2e_batches, lengths=args.lengths,
-                                prefix=args.prefix, new=args.new_tokens, budget=args.e2e_budget)
+                                prefix=args.prefix, new=args.new_tokens, budget=args.e2e_budget,
+                                cuda_graphs=device.type == "cuda" and not args.eager_e2e)
     setup = info | {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "prefix": args.prefix,
                     "page_size": 64, "repeats": args.repeats,
                     "graph_repeats": 0 if args.no_graph or device.type != "cuda" else args.graph_repeats,

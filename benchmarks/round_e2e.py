@@ -1,6 +1,6 @@
 """End to end with acceptance forced to a known length L: tokens/s of `ar`, `chain`, `ddtree`.
 
-The engine (eager rounds, as it runs today) generates for B prompts of `prefix` random tokens.
+The engine (rounds replayed from CUDA graphs on a GPU unless --eager-e2e; eager on the CPU) generates for B prompts of `prefix` random tokens.
 `ar` runs first; its greedy continuation is what an OracleDrafter (engine/oracle.py) proposes:
 the random drafter's pass still runs and is timed, then its first L - 1 drafted positions are
 replaced by the continuation, so every round commits L - 1 accepted nodes + the bonus. The
@@ -33,7 +33,7 @@ def _timed(engine: Engine, prompts, new: int, mode: str, budget: int):
     prefill = max(o.stats.stage_seconds["prefill"] for o in outs)
     tokens = sum(len(o.token_ids) for o in outs)
     lengths = [n for o in outs for n in o.stats.acceptance_lengths]
-    row = {"mode": mode, "batch": len(prompts), "new_tokens": new, "seconds": seconds, "prefill_seconds": prefill,
+    row = {"mode": mode, "batch": len(prompts), "cuda_graphs": engine.graphs is not None, "new_tokens": new, "seconds": seconds, "prefill_seconds": prefill,
            "tokens_per_s": tokens / seconds,
            "decode_tokens_per_s": (tokens - len(prompts)) / max(seconds - prefill, 1e-9),
            "mean_acceptance_length": sum(lengths) / max(1, len(lengths)), "rounds": len(lengths) // len(prompts)}
@@ -42,8 +42,9 @@ def _timed(engine: Engine, prompts, new: int, mode: str, budget: int):
 
 @torch.no_grad()
 def forced_acceptance(target, drafter, perm: torch.Tensor, *, batches: list[int], lengths: list[int], prefix: int,
-                      new: int, budget: int, seed: int = 5) -> list[dict]:
-    """One row per (B, mode, L); `ar` rows have L = 1. speedup_vs_ar compares tokens/s at one B."""
+                      new: int, budget: int, seed: int = 5, cuda_graphs: bool = False) -> list[dict]:
+    """One row per (B, mode, L); `ar` rows have L = 1. speedup_vs_ar compares tokens/s at one B.
+    cuda_graphs: the engine replays its rounds from CUDA graphs (Engine(cuda_graphs=True))."""
     device = target.embed_tokens.weight.device
     gen = torch.Generator().manual_seed(seed)
     vocab = target.cfg.vocab_size
@@ -51,14 +52,14 @@ def forced_acceptance(target, drafter, perm: torch.Tensor, *, batches: list[int]
     max_len = prefix + new + drafter.cfg.block_size + 1
     oracle = OracleDrafter(drafter, max_batch=max(batches), max_len=max_len)
     engine = Engine(target, oracle, max_batch=max(batches), max_model_len=prefix + new + 64, max_budget=budget,
-                    stop_token_ids=())
+                    stop_token_ids=(), cuda_graphs=cuda_graphs)
     successor = perm.cpu().tolist()
     rows = []
     for batch in batches:
         prompts = pool[:batch]
         oracle.sequences.fill_(-1)
-        for mode in ("ar", "chain", "ddtree"):  # warm-up: kernels compiled for this bucket and budget
-            engine.generate(prompts, max_new_tokens=4, mode=mode, budget=budget)
+        for mode in ("ar", "chain", "ddtree"):  # warm-up: kernels compiled, graphs captured for this bucket
+            engine.generate(prompts, max_new_tokens=8, mode=mode, budget=budget)
         ar_outs, ar, _ = _timed(engine, prompts, new, "ar", budget)
         ar.update(L=1, budget=0, equal_to_ar=batch, speedup_vs_ar=1.0)
         chains = [p[-1:] + o.token_ids for p, o in zip(prompts, ar_outs)]

@@ -22,7 +22,17 @@ class OracleDrafter:
         self.cfg = drafter.cfg
         device = drafter.fc.weight.device
         self.sequences = torch.full((max_batch, max_len), -1, dtype=torch.int64, device=device)
+        self._depth = torch.zeros((), dtype=torch.int64, device=device)  # on the device: a CUDA graph reads it
         self.depth = drafter.cfg.block_size - 1 if depth is None else depth
+
+    @property
+    def depth(self) -> int:
+        """Drafted positions replaced by the known continuation (forced acceptance: depth + 1)."""
+        return int(self._depth)
+
+    @depth.setter
+    def depth(self, value: int) -> None:
+        self._depth.fill_(value)
 
     def set_sequence(self, slot: int, tokens: list[int]) -> None:
         self.sequences[slot] = -1
@@ -40,6 +50,6 @@ class OracleDrafter:
         positions = cache.lengths[:, None] + steps
         seq = self.sequences[:b]
         known = seq.gather(1, positions.clamp_max(seq.shape[1] - 1))
-        use = (positions < seq.shape[1]) & (known >= 0) & (steps <= self.depth)
+        use = (positions < seq.shape[1]) & (known >= 0) & (steps <= self._depth)
         sure = torch.full_like(logits, -_SURE).scatter_(2, known.clamp_min(0)[..., None], _SURE)
         return torch.where(use[..., None], sure, logits)

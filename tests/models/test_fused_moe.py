@@ -186,6 +186,8 @@ def test_no_tokens(kernel_device):
     (lambda a: a.update(weights=a["weights"][:, :1]), "weights must have the shape of ids"),
     (lambda a: a.update(x=a["x"][None]), r"x must be \[T, hidden\]"),
     (lambda a: a.update(ids=a["ids"].to("meta")), "ids is on meta"),
+    (lambda a: a.update(out=torch.empty(2, 32)), "out must be a contiguous torch.bfloat16"),
+    (lambda a: a.update(workspace=Workspace.empty(2, 2, 5, 32, 16, torch.float32, "cpu")), "workspace.h must be"),
 ])
 def test_fused_moe_rejects_bad_inputs(change, match):
     x, w_gate_up, w_down, weights, ids = make_inputs(Case(2, 2, 5, 32, 16), torch.bfloat16, "cpu")

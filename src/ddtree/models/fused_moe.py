@@ -23,8 +23,10 @@ from ..kernels import require_kernel_device
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
 # Defaults for few rows on the H200, not yet measured there: 16 pair rows per block (tl.dot's
-# minimum; a decode token brings one row per chosen expert), 64 output columns and 128-deep K
-# steps per program so that even one token spreads over more programs than multiprocessors.
+# minimum; a decode token brings one row per chosen expert), 64 output columns per program so that
+# one token's experts already make 132+ programs (Moonlight: 6 x 1408/64 for gate_up, Kimi K2:
+# 8 x 2048/64), 128-deep K steps. Compiled for sm_90 they use 128 / 70 registers, no spills, and
+# pipelined loads (tests/models/test_fused_moe_compile.py).
 BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_K = 128
@@ -214,17 +216,19 @@ def fused_moe(
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} [{tokens}, {hidden}] on {x.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
-    ws = workspace if workspace is not None else Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m)
-    want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m)
-    for name in ("sorted_pairs", "block_expert", "h", "y"):
-        got, need = getattr(ws, name), getattr(want, name)
-        if got.shape != need.shape or got.dtype != need.dtype or got.device != x.device or not got.is_contiguous():
-            raise ValueError(f"workspace.{name} must be a contiguous {need.dtype} {list(need.shape)} on {x.device}, "
-                             f"got {got.dtype} {list(got.shape)} on {got.device}")
+    if workspace is None:
+        workspace = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m)
+    else:
+        want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m)
+        for name in ("sorted_pairs", "block_expert", "h", "y"):
+            got, need = getattr(workspace, name), getattr(want, name)
+            if got.shape != need.shape or got.dtype != need.dtype or got.device != x.device or not got.is_contiguous():
+                raise ValueError(f"workspace.{name} must be a contiguous {need.dtype} {list(need.shape)} on "
+                                 f"{x.device}, got {got.dtype} {list(got.shape)} on {got.device}")
     if tokens * top_k == 0:
         return out.zero_()
-    blocks = align_by_expert(ids, experts, block_m, out=(ws.sorted_pairs, ws.block_expert))
-    _launch(x, w_gate_up, w_down, weights, blocks, ws, out, block_n, block_k)
+    blocks = align_by_expert(ids, experts, block_m, out=(workspace.sorted_pairs, workspace.block_expert))
+    _launch(x, w_gate_up, w_down, weights, blocks, workspace, out, block_n, block_k)
     return out
 
 

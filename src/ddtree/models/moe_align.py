@@ -7,9 +7,9 @@ Output sizes depend on (pairs, experts, BLOCK_M) only: no host sync, so a CUDA g
 
 Layout of the result, for pairs p = token * k + choice, p < P = T * k:
 
-    sorted_pairs  int32 [max_blocks * BLOCK_M]: expert 0's pairs (ascending p), padded with
-                  PAD_PAIR = P up to a multiple of BLOCK_M, then expert 1's, ...; slots of the
-                  blocks past the used ones also hold P.
+    sorted_pairs  int32 [max_blocks * BLOCK_M]: expert 0's pairs (ascending p), padded with P
+                  (past every real pair: the padding sentinel) up to a multiple of BLOCK_M, then
+                  expert 1's, ...; the slots of the blocks past the used ones also hold P.
     block_expert  int32 [max_blocks]: the expert of each block; NO_EXPERT (-1) past the used blocks,
                   where the GEMM programs exit at once.
 """
@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-NO_EXPERT = -1  # block_expert of a block past the used ones (PAD_PAIR is P, the pair count)
+NO_EXPERT = -1  # block_expert of a block past the used ones
 MAX_PAIRS = 8192  # one program sorts all pairs in registers: the fused path is for few rows
-MAX_EXPERTS = 1024
+MAX_EXPERTS = 1024  # with MAX_PAIRS, sort keys expert * P_PAD + p stay in int32
 _NO_EXPERT: tl.constexpr = tl.constexpr(NO_EXPERT)  # the kernel's copy
 
 
@@ -112,6 +112,6 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
         _align_kernel[(1,)](
             ids, sorted_pairs, block_expert, num_pairs, num_experts, n_blocks,
             P_PAD=triton.next_power_of_2(max(num_pairs, 16)), E_PAD=triton.next_power_of_2(max(num_experts, 16)),
-            BLOCK_M=block_m, CHUNK=64, num_warps=4,
+            BLOCK_M=block_m, CHUNK=64, num_warps=4,  # CHUNK: unused blocks marked per loop step
         )
     return ExpertBlocks(sorted_pairs, block_expert, num_pairs, block_m)

@@ -113,7 +113,8 @@ CASES = {
     "one_token": Case(1, 2, 5, 40, 24),
     "masked_tiles": Case(7, 3, 6, 200, 150, seed=1),  # two K steps of 128, three N tiles of 64
     "k1": Case(9, 1, 3, 48, 32, seed=2),
-    "same_experts": Case(20, 2, 5, 32, 16, route="same", seed=3),  # 20 rows: two blocks per expert
+    "one_expert": Case(20, 1, 4, 32, 16, route="same", seed=7),  # every token to one expert: two blocks
+    "same_experts": Case(20, 2, 5, 32, 16, route="same", seed=3),
     "every_expert": Case(6, 4, 11, 40, 24, route="all", seed=4),
     "unused_experts": Case(5, 2, 9, 40, 24, route="few", seed=5),
 }

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TargetConfig
+from .fused_moe import DTYPES as FUSED_DTYPES
+from .fused_moe import fused_moe
 
 
 class MLP(nn.Module):
@@ -51,9 +53,23 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
 
+# At or below this many tokens a CUDA forward runs the fused Triton kernel (fused_moe.py), above it
+# the grouped GEMMs. A first guess from serving engines' few-row regime: to be tuned on the H200.
+FUSED_MAX_TOKENS = 64
+
+
 class MoE(nn.Module):
-    """Routed experts, grouped by expert for two grouped GEMMs (no per-token or per-expert Python
-    loop, no host sync: expert offsets stay on the device), plus the shared experts."""
+    """Routed experts plus the shared experts. Two paths compute the routed part:
+
+    - grouped: pairs sorted by expert for two grouped GEMMs (no per-token or per-expert Python
+      loop, no host sync: expert offsets stay on the device). The reference, the path for many rows
+      (prefill) and for autograd, and the CPU default, so training and CPU tests keep its numerics.
+    - fused: the Triton kernels of fused_moe.py, which read each touched expert's weights once per
+      block of its rows. Taken on CUDA for at most FUSED_MAX_TOKENS tokens when no gradient is needed.
+
+    `fused` overrides the choice: None (automatic), True (the fused path, e.g. on the CPU under
+    TRITON_INTERPRET=1 in tests) or False (the grouped path).
+    """
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -62,6 +78,7 @@ class MoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert [gate | up], transposed
         self.w_down = nn.Parameter(torch.empty(e, i, h))
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.fused: bool | None = None
 
     def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
@@ -71,6 +88,25 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         if router_ids is not None:
             router_ids.append(ids)
+        if self._use_fused(x, weights):
+            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        else:
+            out = self._grouped(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def _use_fused(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, weights, self.w_gate_up, self.w_down))
+        if self.fused is None:
+            return x.is_cuda and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype in FUSED_DTYPES and not needs_grad
+        if self.fused and needs_grad:
+            raise RuntimeError("MoE.fused is True but autograd needs this forward: the fused kernel has no backward")
+        return self.fused
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], weights float32 [T, k], ids int64 [T, k] -> routed output [T, hidden]."""
         k = ids.shape[1]
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -84,7 +120,4 @@ class MoE(nn.Module):
         # an atomic index_add_, so a graph replay and an eager run give the same bits.
         per_choice = torch.empty_like(routed)
         per_choice[order] = routed
-        out = (per_choice.view(-1, k, routed.shape[-1]).float() * weights[..., None]).sum(1).to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+        return (per_choice.view(-1, k, routed.shape[-1]).float() * weights[..., None]).sum(1).to(x.dtype)

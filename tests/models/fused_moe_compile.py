@@ -1,0 +1,72 @@
+"""Compile the fused MoE kernels for sm_90 without a GPU (Triton ships ptxas and cuobjdump) and
+report what the hardware would get: shared memory, registers, spills, tensor-core instructions and
+pipelined (cp.async) loads. Run without TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ddtree.models import fused_moe, moe_align
+
+NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# Integer arguments that a launch at Kimi K2 / Moonlight shapes does not see as multiples of 16;
+# Triton specializes every other pointer and integer there as 16-divisible, and so does this.
+NOT_DIVISIBLE = {"num_pairs", "top_k", "num_experts", "num_blocks"}
+
+
+def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1) -> dict:
+    """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n}
+    for `fn` compiled for sm_90a; pointers maps pointer arguments to Triton types ("*bf16")."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+            continue
+        signature[name] = pointers.get(name, "i32")
+        if name not in NOT_DIVISIBLE:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        info = subprocess.run([str(NVIDIA_BIN / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)],
+                              capture_output=True, text=True, check=True).stderr
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+    return {
+        "shared": compiled.metadata.shared,
+        "registers": int(re.search(r"Used (\d+) registers", info)[1]),
+        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)),
+        "mma": len(re.findall(r"\bHG?MMA\.", sass)),
+        "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
+    }
+
+
+def all_reports() -> dict[str, dict]:
+    """The four kernels at their defaults, bf16; the alignment at 64 tokens x 8 of 384 experts."""
+    dtype = "*bf16"
+    tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
+                 DOT_F32=False, PRECISION="tf32")
+    index = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32")
+    gemm = dict(num_warps=fused_moe.NUM_WARPS, num_stages=fused_moe.NUM_STAGES)
+    return {
+        "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
+                                dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
+        "gate_up": compile_report(fused_moe._gate_up_kernel, dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, **index),
+                                  tiles, **gemm),
+        "down": compile_report(fused_moe._down_kernel,
+                               dict(h_ptr=dtype, w_ptr=dtype, weights_ptr="*fp32", y_ptr="*fp32", **index),
+                               tiles, **gemm),
+        "sum": compile_report(fused_moe._sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
+                              dict(TOP_K=8, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
+    }

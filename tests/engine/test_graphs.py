@@ -19,12 +19,20 @@ def test_graph_key_limit_rounds_up_to_a_power_of_two_within_the_capacity():
 
 def test_cuda_graphs_refuse_a_cpu_engine(tmp_path):
     target_dir, drafter_dir, _ = make_pair(tmp_path)
-    with pytest.raises(ValueError, match="cuda_graphs needs the models on a CUDA device"):
+    with pytest.raises(ValueError, match="cuda_graphs needs bf16 or fp16 models on a CUDA device"):
         Engine.from_pretrained(target_dir, drafter_dir, device="cpu", cuda_graphs=True)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_refuse_float32(tmp_path):
+    """float32 routes through torch._grouped_mm's host-copying fallback, which a graph cannot hold."""
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    with pytest.raises(ValueError, match="cuda_graphs needs bf16 or fp16"):
+        Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.float32, cuda_graphs=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_graphed_rounds_equal_eager_rounds(tmp_path, dtype):
     target_dir, drafter_dir, _ = make_pair(tmp_path)
     batch = prompts(6, 96, seed=8)
@@ -45,7 +53,7 @@ def test_graphed_rounds_equal_eager_rounds(tmp_path, dtype):
 def test_requests_joining_and_leaving_a_graphed_batch(tmp_path):
     """Continuous batching over graphs: slots fill and empty between replays of the same bucket."""
     target_dir, drafter_dir, _ = make_pair(tmp_path)
-    kwargs = dict(device="cuda", dtype=torch.float32, page_size=16, max_batch=4, stop_token_ids=())
+    kwargs = dict(device="cuda", dtype=torch.bfloat16, page_size=16, max_batch=4, stop_token_ids=())
     eager = Engine.from_pretrained(target_dir, drafter_dir, **kwargs)
     graphed = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=True, **kwargs)
     batch = prompts(10, 96, seed=3)

@@ -179,21 +179,21 @@ def test_no_tokens(kernel_device):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda a: a.update(ids=a["ids"].int()), "ids must be torch.int64"),
-    (lambda a: a.update(weights=a["weights"].double()), "weights must be torch.float32"),
-    (lambda a: a.update(w_down=a["w_down"].float()), r"w_down must be torch.bfloat16 \(x.dtype\)"),
-    (lambda a: a.update(w_down=a["w_down"][:, :-1]), r"w_down must be \[E, inter, hidden\]"),
-    (lambda a: a.update(w_gate_up=a["w_gate_up"].transpose(1, 2).contiguous().transpose(1, 2)), "w_gate_up must be contiguous"),
-    (lambda a: a.update(weights=a["weights"][:, :1]), "weights must have the shape of ids"),
-    (lambda a: a.update(x=a["x"][None]), r"x must be \[T, hidden\]"),
-    (lambda a: a.update(ids=a["ids"].to("meta")), "ids is on meta"),
-    (lambda a: a.update(out=torch.empty(2, 32)), "out must be a contiguous torch.bfloat16"),
-    (lambda a: a.update(workspace=Workspace.empty(2, 2, 5, 32, 16, torch.float32, "cpu")), "workspace.h must be"),
+    (lambda a, dev: a.update(ids=a["ids"].int()), "ids must be torch.int64"),
+    (lambda a, dev: a.update(weights=a["weights"].double()), "weights must be torch.float32"),
+    (lambda a, dev: a.update(w_down=a["w_down"].float()), r"w_down must be torch.bfloat16 \(x.dtype\)"),
+    (lambda a, dev: a.update(w_down=a["w_down"][:, :-1]), r"w_down must be \[E, inter, hidden\]"),
+    (lambda a, dev: a.update(w_gate_up=a["w_gate_up"].transpose(1, 2).contiguous().transpose(1, 2)), "w_gate_up must be contiguous"),
+    (lambda a, dev: a.update(weights=a["weights"][:, :1]), "weights must have the shape of ids"),
+    (lambda a, dev: a.update(x=a["x"][None]), r"x must be \[T, hidden\]"),
+    (lambda a, dev: a.update(ids=a["ids"].to("meta")), "ids is on meta"),
+    (lambda a, dev: a.update(out=torch.empty(2, 32, device=dev)), "out must be a contiguous torch.bfloat16"),
+    (lambda a, dev: a.update(workspace=Workspace.empty(2, 2, 5, 32, 16, torch.float32, dev)), "workspace.h must be"),
 ])
-def test_fused_moe_rejects_bad_inputs(change, match):
-    x, w_gate_up, w_down, weights, ids = make_inputs(Case(2, 2, 5, 32, 16), torch.bfloat16, "cpu")
+def test_fused_moe_rejects_bad_inputs(change, match, kernel_device):
+    x, w_gate_up, w_down, weights, ids = make_inputs(Case(2, 2, 5, 32, 16), torch.bfloat16, kernel_device)
     args = dict(x=x, w_gate_up=w_gate_up, w_down=w_down, weights=weights, ids=ids)
-    change(args)
+    change(args, kernel_device)  # on the kernel's device, so each case fails its own check, not the device's
     with pytest.raises((ValueError, TypeError), match=match):
         fused_moe(**args)
 

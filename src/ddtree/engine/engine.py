@@ -71,8 +71,10 @@ class Engine:
         self.moe_layers = len(moe_layers)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.timer = StageTimer(self.device, time_stages)
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs needs the models on a CUDA device, got {self.device}")
+        if cuda_graphs and (self.device.type != "cuda" or target.embed_tokens.weight.dtype == torch.float32):
+            # float32 takes torch._grouped_mm's fallback, which copies to the host: not capturable
+            raise ValueError(f"cuda_graphs needs bf16 or fp16 models on a CUDA device, got "
+                             f"{target.embed_tokens.weight.dtype} on {self.device}")
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if cuda_graphs else None
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request

@@ -84,13 +84,14 @@ def write_entries(cache: torch.Tensor, entries: torch.Tensor, meta) -> None:
 def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, scale: float, latent_dim: int) -> torch.Tensor:
     """PyTorch path (CPU, float32 / float64): q [B, N, H, D] -> latent output [B, N, H, latent_dim].
 
-    Gathers each request's prefix_len + N entries and masks with a dense [B, N, L] boolean; reads
-    the longest prefix back to the host, so unlike the CUDA kernel it is not graph-capturable.
-    Padding rows (>= num_rows) come back as zeros.
+    Gathers each request's prefix_len + N entries and masks with a dense [B, N, L] boolean.
+    On the CPU L is the longest prefix + N (read back to the host); on CUDA it is the block
+    table's whole span, so that no value is read back and a CUDA graph can capture it (a float32
+    engine on a GPU). Padding rows (>= num_rows) come back as zeros.
     """
     b, n, _, _ = q.shape
     page_size = cache.shape[1]
-    length = int(meta.prefix_lens.max()) + n
+    length = meta.block_table.shape[1] * page_size if q.is_cuda else int(meta.prefix_lens.max()) + n
     slots = torch.arange(length, device=q.device)
     pages = meta.block_table.long()[:, (slots // page_size).clamp_max(meta.block_table.shape[1] - 1)]
     keys = cache[pages, slots % page_size].to(q.dtype)  # [B, L, D]

@@ -110,7 +110,10 @@ def test_stats_count_experts_and_stages(engine):
     assert tree.stats.stage_seconds["verify"] > 0 and tree.stats.tokens_per_s > 0
 
 
-def test_drafter_context_tracks_the_committed_prefix(engine):
+def test_drafter_context_tracks_the_committed_prefix(pair):
+    # overlap=False: each step reads its own round, so host and device agree after every step
+    # (with overlap the host trails by the round in flight; tests/engine/test_overlap.py).
+    engine = Engine.from_pretrained(*pair, device="cpu", page_size=8, max_batch=4, max_model_len=256, overlap=False)
     rid = engine.add_request([4, 5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True), mode="ddtree", budget=8)
     for _ in range(4):
         engine.step()

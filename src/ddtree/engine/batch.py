@@ -25,6 +25,7 @@ class SlotSettings:
     top_k: int
     top_p: float
     seed: int
+    max_new_tokens: int = 1 << 62  # tokens the request may still take, its first (the prefill's) included
 
 
 class BatchState:
@@ -34,6 +35,8 @@ class BatchState:
     prefix_lens   int32   cache entries committed (the bonus token is not among them yet)
     bonus         int64   the target's last choice: next round's root
     active        bool    slot holds a running request
+    remaining     int64   tokens the request may still commit: a round skips a slot at 0, so a round
+                          launched before the host has read the last one cannot outgrow the request
     node_limit    int64   tree nodes the slot may verify (0 ar, D chain, budget ddtree)
     chain         bool    keep only rank 0 at every depth (DFlash's argmax chain)
     temperature   float32, top_k int64, top_p float32, seed int64: SamplingParams
@@ -51,6 +54,7 @@ class BatchState:
         self.prefix_lens = zeros(torch.int32)
         self.bonus = zeros(torch.int64)
         self.active = zeros(torch.bool)
+        self.remaining = zeros(torch.int64)
         self.node_limit = zeros(torch.int64)
         self.chain = zeros(torch.bool)
         self.temperature = zeros(torch.float32)
@@ -67,6 +71,7 @@ class BatchState:
         self.top_k[slot] = settings.top_k
         self.top_p[slot] = settings.top_p
         self.seed[slot] = settings.seed
+        self.remaining[slot] = settings.max_new_tokens - 1  # the prefill commits the first
         self.prefix_lens[slot] = 0
         if self.drafter is not None:
             self.drafter.lengths[slot] = 0

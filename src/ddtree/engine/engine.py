@@ -18,6 +18,7 @@ from ..models import Drafter, Target, load_drafter, load_target
 from ..tree.types import MAX_TRITON_BUDGET
 from .batch import BatchState, SlotSettings
 from .graphs import RoundGraphs
+from .inflight import Flight, launch_copy
 from .loading import default_num_pages, load_tokenizer, stop_token_ids
 from .pages import BlockManager, KVCacheFull, pages_for
 from .prefill import PREFILL_FORMS, prefill
@@ -32,7 +33,8 @@ class Engine:
     def __init__(self, target: Target, drafter: Drafter | None = None, tokenizer=None, *, max_batch: int = 32,
                  max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
                  max_budget: int = 256, prefill_chunk: int = 512, prefill_form: str = "expanded",
-                 stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool = False):
+                 stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool = False,
+                 overlap: bool = True):
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
@@ -40,6 +42,8 @@ class Engine:
         request per prefill forward; prefill_form: its attention (engine/prefill.py's PREFILL_FORMS).
         cuda_graphs: replay each round shape from a CUDA graph (engine/graphs.py; CUDA only). Off by
         default until the graphed rounds are measured on the H200.
+        overlap: read a round's committed tokens back while the next round runs (engine/inflight.py):
+        a step returns what the previous round committed. False: each step waits for its own round.
         The engine freezes the models it is given (requires_grad False on every weight)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         # Serving never differentiates: without this, every cache write from a weight that
@@ -71,6 +75,8 @@ class Engine:
         self.moe_layers = len(moe_layers)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.timer = StageTimer(self.device, time_stages)
+        self.time_stages, self.overlap = time_stages, overlap
+        self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
         if cuda_graphs and (self.device.type != "cuda" or target.embed_tokens.weight.dtype == torch.float32):
             # float32 takes torch._grouped_mm's fallback, which copies to the host: not capturable
             raise ValueError(f"cuda_graphs needs bf16 or fp16 models on a CUDA device, got "
@@ -183,24 +189,30 @@ class Engine:
         return len(self._waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self._running or self._waiting)
+        """Requests waiting or running, or a launched round whose tokens some request still needs."""
+        return bool(self._running or self._waiting or self._inflight is not None and any(map(self._live, self._inflight.requests)))
+
+    def _live(self, request: Request) -> bool:
+        return not request.finished and self._requests.get(request.id) is request
 
     # -- the step ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """Admit and prefill what fits, then one round for every running request (the new ones
-        included: every active slot of the batch takes part). Returns, per request, what it
-        committed in this step; finished requests have left the batch."""
+        """Admit and prefill what fits, then launch one round for every running request (the new
+        ones included: every active slot of the batch takes part). Returns, per request, what it
+        committed since the last step: with overlap, the round launched by the previous step (read
+        while this step's round runs), else this step's. Finished requests have left the batch."""
         outputs = {out.request_id: out for out in self._admit()}
-        if self._running:
-            for out in self._round([r for _, r in sorted(self._running.items())]):
-                first = outputs.get(out.request_id)
-                if first is not None:  # prefilled in this step: one output with both parts
-                    out = StepOutput(out.request_id, first.new_token_ids + out.new_token_ids,
-                                     None if out.new_text is None else first.new_text + out.new_text,
-                                     out.finished, out.finish_reason)
-                outputs[out.request_id] = out
+        launched = self._launch([r for _, r in sorted(self._running.items())]) if self._running else None
+        ready, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)
+        for out in self._collect(ready) if ready is not None else []:
+            first = outputs.get(out.request_id)
+            if first is not None:  # prefilled in this step (no overlap): one output with both parts
+                out = StepOutput(out.request_id, first.new_token_ids + out.new_token_ids,
+                                 None if out.new_text is None else first.new_text + out.new_text,
+                                 out.finished, out.finish_reason)
+            outputs[out.request_id] = out
         return list(outputs.values())
 
     def _admit(self) -> list[StepOutput]:
@@ -212,7 +224,7 @@ class Engine:
             self.blocks.admit(request.slot, request.worst_rows(), request.id)
             p = request.params
             self.state.occupy(request.slot, SlotSettings(request.node_limit, request.mode == "chain", p.temperature,
-                                                         p.top_k, p.top_p, p.seed))
+                                                         p.top_k, p.top_p, p.seed, p.max_new_tokens))
             self._running[request.slot] = request
             new.append(request)
         if not new:
@@ -234,26 +246,42 @@ class Engine:
             outputs.append(self._emit(request, [token]))
         return outputs
 
-    def _round(self, requests: list[Request]) -> list[StepOutput]:
-        plan = batch_requests(requests, self)
-        self.blocks.reserve([(r.slot, r.prefix_len + r.node_limit + 1, r.id) for r in requests])
-        self.state.block_table[: plan.bucket].copy_(self.blocks.table[: plan.bucket], non_blocking=True)
-        self.timer.start()
-        result = (self.graphs.run(plan, self.timer) if self.graphs is not None
-                  else run_round(self.ctx, self.state, plan, self.max_depth, self.timer)).tolist()  # the one sync
-        seconds = self.timer.seconds()
+    def _launch(self, requests: list[Request]) -> Flight:
+        """Queue one round for `requests` on the device; returns without waiting for it."""
+        # With a round in flight the host's prefix lengths may be one round behind: reserve for
+        # the most that round can commit (BatchState.remaining keeps it within worst_rows).
+        behind = self.max_depth + 1 if self._inflight is not None else 0
+        plan = batch_requests(requests, self, behind)
+        self.blocks.reserve([(r.slot, min(r.worst_rows(), r.prefix_len + behind + r.node_limit + 1), r.id)
+                             for r in requests])
+        table = self.blocks.table[: plan.bucket]
+        if self.device.type == "cuda":
+            table = table.pin_memory()  # a copy the host may change afterwards; pinned, so no stream sync
+        self.state.block_table[: plan.bucket].copy_(table, non_blocking=True)
+        timer = StageTimer(self.device, self.time_stages)
+        timer.start()
+        result = (self.graphs.run(plan, timer) if self.graphs is not None
+                  else run_round(self.ctx, self.state, plan, self.max_depth, timer))
+        return launch_copy(result, requests, plan, timer)
+
+    def _collect(self, flight: Flight) -> list[StepOutput]:
+        """Commit what a launched round committed, for its requests still running."""
+        result = flight.rows()  # the one wait for the device
+        seconds = flight.timer.seconds()
         outputs = []
-        for request in requests:
+        for request in flight.requests:
+            if not self._live(request):
+                continue  # it ended (or was aborted) after this round was launched
             row = result[request.slot]
             accepted = row[0]
             request.prefix_len += accepted
-            kept = request.commit(row[1 : 1 + accepted]) if not request.finished else []
+            kept = request.commit(row[1 : 1 + accepted])
             stats = request.stats
             stats.rounds += 1
             stats.acceptance_lengths.append(len(kept))
             for stage, s in seconds.items():
                 stats.stage_seconds[stage] += s
-            if stats.experts_touched is not None and plan.experts:
+            if stats.experts_touched is not None and flight.plan.experts:
                 stats.experts_touched.append(row[2 + self.max_depth : 2 + self.max_depth + self.moe_layers])
             outputs.append(self._finish_or_stream(request, kept))
         return outputs

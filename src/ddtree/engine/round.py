@@ -93,7 +93,8 @@ def _choose(state: BatchState, plan: RoundPlan, logits, positions):
 def run_round(ctx: RoundContext, state: BatchState, plan: RoundPlan, max_depth: int, timer: StageTimer) -> torch.Tensor:
     """Advance slots 0 .. bucket - 1 by one round, in place; returns int64 [bucket, result_width]:
     column 0 accept_len (tokens committed: accepted nodes + the bonus; 0 for inactive slots),
-    columns 1 .. D + 1 the committed tokens (-1 past accept_len), then the expert counts."""
+    columns 1 .. D + 1 the committed tokens (-1 past accept_len), then the expert counts.
+    A slot takes part when it is active and has tokens remaining (BatchState.remaining)."""
     if plan.budget == 0:
         return _ar_step(ctx, state, plan, max_depth, timer)
     return _tree_round(ctx, state, plan, max_depth, timer)
@@ -101,7 +102,7 @@ def run_round(ctx: RoundContext, state: BatchState, plan: RoundPlan, max_depth: 
 
 def _ar_step(ctx, state, plan, max_depth, timer):
     s = slice(0, plan.bucket)
-    active = state.active[s]
+    active = state.active[s] & (state.remaining[s] > 0)
     ids = state.bonus[s, None]
     positions = state.prefix_lens[s].long()[:, None]
     num_rows = active.int()
@@ -114,6 +115,7 @@ def _ar_step(ctx, state, plan, max_depth, timer):
     if plan.features:
         ctx.drafter.append_context(state.drafter_view(plan.bucket), torch.cat(hidden, -1), accept_len, check=False)
     state.prefix_lens[s] += num_rows
+    state.remaining[s] -= accept_len
     state.bonus[s] = chosen
     timer.mark("commit")
     committed = torch.full((plan.bucket, max_depth + 1), -1, dtype=torch.int64, device=ids.device)
@@ -123,7 +125,7 @@ def _ar_step(ctx, state, plan, max_depth, timer):
 
 def _tree_round(ctx, state, plan, max_depth, timer):
     s = slice(0, plan.bucket)
-    active, bonus = state.active[s], state.bonus[s]
+    active, bonus = state.active[s] & (state.remaining[s] > 0), state.bonus[s]
     cache = state.drafter_view(plan.bucket)
     draft = ctx.drafter.draft_logits(ctx.target, bonus, cache, plan.key_limit)  # [B, D, V]
     timer.mark("draft")
@@ -155,6 +157,7 @@ def _tree_round(ctx, state, plan, max_depth, timer):
     features = features.gather(1, rows[..., None].expand(-1, -1, features.shape[-1]))
     ctx.drafter.append_context(cache, features, accept_len, check=False)
     state.prefix_lens[s] += accept_len.int()
+    state.remaining[s] -= accept_len
     state.bonus[s] = new_bonus
     # The committed tokens are the target's choices along the path: node k + 1's token equals the
     # choice at node k, and the last choice is the bonus.

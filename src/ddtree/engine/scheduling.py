@@ -21,8 +21,9 @@ def generation_params(params: list[SamplingParams]) -> tuple[bool, bool]:
     return bool(sampled), any(p.top_k > 0 or p.top_p < 1 for p in sampled)
 
 
-def batch_requests(requests: list[Request], engine) -> RoundPlan:
-    """The plan of one round over `requests` (each in its slot)."""
+def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPlan:
+    """The plan of one round over `requests` (each in its slot); behind: tokens a round still in
+    flight may have committed beyond the host's prefix lengths."""
     bucket = bucket_for(max(r.slot for r in requests) + 1, engine.max_batch)
     budget = max(r.node_limit for r in requests)
     trees = [r.budget for r in requests if r.mode == "ddtree"]
@@ -31,7 +32,7 @@ def batch_requests(requests: list[Request], engine) -> RoundPlan:
     key_limit = None
     if budget > 0:  # the drafter runs: read keys up to the longest context + its block, page-rounded
         block = engine.max_depth + 1
-        longest = max(r.prefix_len for r in requests) + block
+        longest = max(r.prefix_len for r in requests) + behind + block
         capacity = engine.state.drafter.keys[0].shape[1]
         key_limit = min(capacity, -(-longest // 64) * 64)
     return RoundPlan(bucket=bucket, budget=budget, k=k if budget else 0, any_sampled=sampled, any_filtered=filtered,

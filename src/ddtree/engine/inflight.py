@@ -1,0 +1,48 @@
+"""A round in flight: launched on the device, its result copied back without waiting.
+
+The engine launches round k, then reads round k - 1's result (whose copy finished while round k
+was being queued or run), so the host's work on committed tokens (detokenizing, stop strings,
+streaming) overlaps the device's next round instead of stalling it. Nothing a round needs comes
+from the previous round's host work: the batch state lives on the device, pages are reserved for
+the most the round in flight can commit, and a slot whose request is out of tokens takes no part
+(BatchState.remaining), so a request the host has not yet seen finish cannot outgrow its pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+from .round import RoundPlan
+from .timing import StageTimer
+
+
+@dataclass
+class Flight:
+    """requests: the round's requests (each in its slot at launch); result: int64 [bucket, width]
+    on the host (page-locked on CUDA), complete once `done` has; timer: the round's stage marks."""
+
+    requests: list[Request]
+    plan: RoundPlan
+    result: torch.Tensor
+    done: torch.cuda.Event | None
+    timer: StageTimer
+
+    def rows(self) -> list[list[int]]:
+        """The result as lists, waiting for the copy (and so the round) to finish."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.result.tolist()
+
+
+def launch_copy(result: torch.Tensor, requests: list[Request], plan: RoundPlan, timer: StageTimer) -> Flight:
+    """Queue the copy of a round's device result to the host, behind the round; returns at once."""
+    if not result.is_cuda:
+        return Flight(requests, plan, result, None, timer)
+    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+    host.copy_(result, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return Flight(requests, plan, host, done, timer)

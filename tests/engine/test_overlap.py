@@ -1,0 +1,79 @@
+"""Overlapped steps (a round's tokens read while the next round runs) commit exactly what
+step-by-step rounds commit, and a request the host has not yet seen finish cannot outgrow it."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ddtree import Engine, SamplingParams  # noqa: E402
+
+from .pairs import EOS, make_pair, prompts  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target_dir, drafter_dir, _ = make_pair(tmp_path_factory.mktemp("pair"), tokenizer=True, block_size=8, eos_token_id=EOS)
+    return target_dir, drafter_dir
+
+
+def _engine(pair, overlap: bool, **kwargs) -> Engine:
+    return Engine.from_pretrained(*pair, device="cpu", page_size=8, max_batch=4, max_model_len=256, overlap=overlap,
+                                  **kwargs)
+
+
+@pytest.mark.parametrize("mode,budget,temperature", [("ar", 1, 0.0), ("chain", 1, 0.0), ("ddtree", 12, 0.0),
+                                                     ("ddtree", 12, 1.0)])
+def test_overlapped_steps_equal_step_by_step(pair, mode, budget, temperature):
+    batch = prompts(7, 96, seed=4, lengths=(2, 20))  # more requests than slots: some join mid-run
+    lengths = [3, 17, 1, 30, 9, 24, 5]  # finish at different rounds, one at its prefill
+    args = dict(max_new_tokens=lengths, mode=mode, budget=budget, temperature=temperature, seed=list(range(7)))
+    want = _engine(pair, overlap=False).generate(batch, **args)
+    engine = _engine(pair, overlap=True)
+    got = engine.generate(batch, **args)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert [o.stats.acceptance_lengths for o in got] == [o.stats.acceptance_lengths for o in want]
+    while engine.has_unfinished():  # the round launched after the last request ended
+        assert engine.step() == []
+    assert engine.blocks.num_free == engine.blocks.num_pages
+
+
+def test_stop_strings_seen_one_round_late_change_nothing(pair):
+    plain = _engine(pair, overlap=False)
+    free = plain.generate(["hello"], max_new_tokens=40, mode="ddtree", budget=8)[0]
+    stop = free.text[5:8]  # a string the free-running text contains
+    want = plain.generate(["hello"], max_new_tokens=40, mode="ddtree", budget=8, stop=stop)[0]
+    got = _engine(pair, overlap=True).generate(["hello"], max_new_tokens=40, mode="ddtree", budget=8, stop=stop)[0]
+    assert got.finish_reason == want.finish_reason == "stop"
+    assert got.text == want.text and got.token_ids == want.token_ids
+
+
+def test_a_request_ended_on_the_host_takes_no_part_on_the_device(pair):
+    """While the host still reads round k, round k + 1 is already launched: a request that hit
+    max_new_tokens in round k must not commit in round k + 1 (BatchState.remaining)."""
+    engine = _engine(pair, overlap=True)
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True), mode="ddtree", budget=8)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    out = engine.take_result(rid)
+    assert len(out.token_ids) == 4 and steps >= 2
+    slot_prefix = 3 + 4 - 1  # prompt + tokens - the last bonus: the most the device may hold
+    assert int(engine.state.prefix_lens.max()) <= slot_prefix + engine.max_depth  # at most one round past
+
+
+def test_abort_with_a_round_in_flight_frees_everything(pair):
+    engine = _engine(pair, overlap=True)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=50, ignore_eos=True), mode="ddtree", budget=8)
+           for p in prompts(3, 96, seed=2)]
+    engine.step()
+    engine.step()
+    assert engine._inflight is not None
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        assert engine.step() == []
+    assert engine.blocks.num_free == engine.blocks.num_pages
+    again = engine.generate(prompts(2, 96, seed=3), max_new_tokens=10, mode="ddtree", budget=8)
+    assert all(len(o.token_ids) == 10 for o in again)

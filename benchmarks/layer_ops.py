@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ddtree.models import TargetConfig, random_target
+from ddtree.models import paged as paged_module
 from ddtree.models import target as target_module
 from ddtree.models.paged import ForwardMeta
 from ddtree.tree import pack_visibility
@@ -34,7 +35,7 @@ VIEWS = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_stride
          "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::unbind", "aten::_unsafe_view",
          "aten::contiguous", "aten::result_type", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
          "aten::to", "aten::_to_copy", "aten::type_as", "aten::matmul", "aten::linear", "aten::einsum",
-         "aten::dim", "aten::size", "aten::stride", "aten::numel", "aten::broadcast_tensors"}
+         "aten::dim", "aten::promote_types", "aten::size", "aten::stride", "aten::numel", "aten::broadcast_tensors"}
 
 LAYOUTS = {
     "moonlight": dict(q_lora_rank=None),
@@ -64,11 +65,33 @@ def _mark(module: torch.nn.Module, method: str, name: str) -> None:
     setattr(module, method, marked)
 
 
+def _count_triton_launches() -> None:
+    """Under TRITON_INTERPRET=1, one profiler range "triton::<kernel>" per launch."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def marked(self, *args, **kwargs):
+        with record_function(f"triton::{self.fn.__name__}"):
+            return run(self, *args, **kwargs)
+    InterpretedFunction.run = marked
+
+
+def _inside_triton(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("triton::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def kernel_ops(overrides: dict, dtype: torch.dtype) -> dict[str, collections.Counter]:
     """Non-view leaf aten ops of one decode forward (B = 1, N = 1) after a warm-up forward, per
     range: "layer<i>.attn", "layer<i>.mlp", "layer<i>.rest", "attend" (all layers), "outside"."""
     model = random_target(config(2, **overrides), dtype=dtype)
-    _mark(target_module, "attend", "attend")  # tree-verify attention: its own kernels on CUDA
+    for module in (target_module, paged_module):
+        _mark(module, "attend", "attend")  # tree-verify attention: its own kernels on CUDA
     for i, layer in enumerate(model.layers):
         _mark(layer, "forward_paged", f"layer{i}.rest")
         _mark(layer.self_attn, "forward_paged", f"layer{i}.attn")
@@ -86,9 +109,13 @@ def kernel_ops(overrides: dict, dtype: torch.dtype) -> dict[str, collections.Cou
             model.forward_paged(ids, meta, caches)
     counts = collections.defaultdict(collections.Counter)
     for event in prof.events():
-        if not event.name.startswith("aten::") or event.name in VIEWS:
+        if _inside_triton(event):
+            continue  # the interpreter's own tensor traffic
+        if event.name.startswith("triton::"):
+            pass  # one kernel launch
+        elif not event.name.startswith("aten::") or event.name in VIEWS:
             continue
-        if any(child.name.startswith("aten::") and child.name not in VIEWS for child in event.cpu_children):
+        elif any(child.name.startswith("aten::") and child.name not in VIEWS for child in event.cpu_children):
             continue  # a composite op: its children are counted
         parent = event.cpu_parent
         while parent is not None and not parent.name.startswith(("layer", "attend")):
@@ -105,8 +132,10 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="list the ops of each layer")
     args = parser.parse_args()
     if args.fused:
-        from ddtree.models import fused_switches
-        fused_switches(True)
+        from ddtree.models.norm import RMSNorm
+        from ddtree.models.target import MLA
+        RMSNorm.fused = MLA.fused = True
+        _count_triton_launches()
     dtype = getattr(torch, args.dtype)
     for name, overrides in LAYOUTS.items():
         counts = kernel_ops(overrides, dtype)

@@ -5,6 +5,10 @@ kv_b_proj. `forward_paged` runs over the paged latent cache in one of two forms,
 metadata: with a ForwardMeta the verify / decode form (kv_b_proj absorbed into the query and the
 output, models/paged.py), with a PrefillMeta the prefill of a prompt chunk (the latents expanded
 like `forward` does, causal SDPA over the request's pages, models/paged_prefill.py).
+
+Few launches per layer on CUDA: rotary cos/sin once per forward, both input projections in one
+GEMM, the residual adds inside the norms (norm.py), MLA's cache entry and query rope as kernels
+(fused_mla.py); the PyTorch path beside them is the CPU default and the reference.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import use_kernel
 from .config import TargetConfig
 from .moe import MLP, MoE
-from ..kernels import use_kernel
 from .norm import RMSNorm
 from .paged import ForwardMeta, absorbed_attention, attend, write_entries
 from .paged_prefill import PrefillMeta, gather_entries

@@ -13,3 +13,15 @@ def require_kernel_device(device: torch.device, what: str) -> None:
 
     if not knobs.runtime.interpret:
         raise ValueError(f"{what} needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 set before import")
+
+
+def use_kernel(flag: bool | None, what: str, *tensors: torch.Tensor) -> bool:
+    """Whether a module takes its Triton path, from its switch `flag`: None (automatic) on CUDA
+    tensors when autograd needs nothing from this call; True forces it (on the CPU: the
+    interpreter; an error when autograd would need a backward); False keeps the PyTorch path."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if flag is None:
+        return tensors[0].is_cuda and not needs_grad
+    if flag and needs_grad:
+        raise RuntimeError(f"{what} is True but autograd needs this forward: the kernel has no backward")
+    return flag

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .moe import MLP
-from .target import RMSNorm
+from .norm import RMSNorm
 
 
 @dataclass(frozen=True)

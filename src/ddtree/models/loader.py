@@ -63,6 +63,7 @@ def _empty_target(cfg: TargetConfig, dtype: torch.dtype, device) -> Target:
         model = Target(cfg)
     model = _materialize(model, dtype, device)
     model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)  # stays float32, unlike the weights
+    model.fuse_input_projections()  # before any weight is copied in: one GEMM reads each layer's input
     return model
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import tree_verify_mla
+from .fused_mla import rotary_into, write_latent_entries
 
 
 @dataclass
@@ -119,3 +120,35 @@ def attend(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, scale: float
         )
         return out
     return attend_reference(q, cache, meta, scale, latent_dim)
+
+
+def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, latent_norm: tuple[torch.Tensor, float],
+                       meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
+                       interleave: bool) -> torch.Tensor:
+    """The kernel path of MLA.forward_paged from its projections to o_proj's input.
+
+    q:           [B, N, H, nope + rope] (MLA.project; strided views are fine), kv [B, N, C + rope].
+    w_kv_b:      kv_b_proj's weight as [H, nope + v, C].
+    latent_norm: (weight [C], eps) of kv_a_layernorm.
+    rope:        (cos, sin) [B, N, rope / 2] in q's dtype.
+    Returns [B * N, H, v]. The entries go to the cache in one kernel (norm, rotary, cast, write);
+    the two absorbed products are batched GEMMs over heads that write into their consumers'
+    layouts (the query's latent slice, o_proj's row-major input) instead of being copied there.
+    """
+    b, n, heads, qk = q.shape
+    latent = w_kv_b.shape[2]
+    rope_dim = kv.shape[-1] - latent
+    nope = qk - rope_dim
+    rows = b * n
+    cos, sin = (t.reshape(rows, -1) for t in rope)
+    write_latent_entries(kv.reshape(rows, -1), latent_norm[0], latent_norm[1], cos, sin, cache.view(-1, cache.shape[-1]),
+                         meta.slot_mapping.view(-1), interleave)
+    q = q.reshape(rows, heads, qk)
+    query = torch.empty(rows, heads, latent + rope_dim, dtype=q.dtype, device=q.device)
+    torch.bmm(q[..., :nope].transpose(0, 1), w_kv_b[:, :nope], out=query[..., :latent].transpose(0, 1))  # W_UK
+    rotary_into(q[..., nope:], cos, sin, query[..., latent:], interleave)
+    out_latent = attend(query.view(b, n, heads, -1), cache, meta, scale, latent)  # [B, N, H, C]
+    out = torch.empty(rows, heads, w_kv_b.shape[1] - nope, dtype=q.dtype, device=q.device)
+    torch.bmm(out_latent.view(rows, heads, latent).transpose(0, 1).to(q.dtype), w_kv_b[:, nope:].transpose(1, 2),
+              out=out.transpose(0, 1))  # W_UV
+    return out

@@ -59,17 +59,28 @@ def softmax_scale(cfg: TargetConfig) -> float:
     return scale
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, interleave: bool) -> torch.Tensor:
-    """Rotate x [..., T, heads, rope_dim] at integer positions [..., T].
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., T, rope_dim / 2] in dtype, times factor (YaRN's attention factor), at
+    integer positions [..., T]. A forward computes them once and every layer rotates with them."""
+    angles = positions[..., None].float() * inv_freq.to(positions.device)  # [..., T, rope/2]
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x [..., T, heads, rope_dim] by cos, sin [..., T, rope_dim / 2] (rotary_cos_sin).
 
     interleave=True: pairs (x0, x1), (x2, x3), ... share a frequency and the result is laid out
     de-interleaved (evens then odds), as DeepSeek's checkpoints expect; False: rotate-half pairs.
     """
-    angles = positions[..., None].float() * inv_freq.to(x.device)  # [..., T, rope/2]
-    cos = (angles.cos() * factor).to(x.dtype)[..., None, :]
-    sin = (angles.sin() * factor).to(x.dtype)[..., None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]
     if interleave:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, interleave: bool) -> torch.Tensor:
+    """Rotate x [..., T, heads, rope_dim] at integer positions [..., T] (see rotate)."""
+    return rotate(x, *rotary_cos_sin(positions, inv_freq, factor, x.dtype), interleave)

@@ -5,6 +5,10 @@ kv_b_proj. `forward_paged` runs over the paged latent cache in one of two forms,
 metadata: with a ForwardMeta the verify / decode form (kv_b_proj absorbed into the query and the
 output, models/paged.py), with a PrefillMeta the prefill of a prompt chunk (the latents expanded
 like `forward` does, causal SDPA over the request's pages, models/paged_prefill.py).
+
+Few launches per layer on CUDA: rotary cos/sin once per forward, both input projections in one
+GEMM, the residual adds inside the norms (norm.py), MLA's cache entry and query rope as kernels
+(fused_mla.py); the PyTorch path beside them is the CPU default and the reference.
 """
 
 from __future__ import annotations
@@ -13,28 +17,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import use_kernel
 from .config import TargetConfig
 from .moe import MLP, MoE
-from .paged import ForwardMeta, attend, write_entries
+from .norm import RMSNorm
+from .paged import ForwardMeta, absorbed_attention, attend, write_entries
 from .paged_prefill import PrefillMeta, gather_entries
-from .rope import apply_rotary, inv_freq_and_factor, softmax_scale
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+from .rope import inv_freq_and_factor, rotary_cos_sin, rotate, softmax_scale
 
 
 class MLA(nn.Module):
     """Multi-head latent attention. Per token the cache keeps the normalized latent
-    [kv_lora_rank] and the rotated shared key [qk_rope_head_dim]."""
+    [kv_lora_rank] and the rotated shared key [qk_rope_head_dim].
+
+    `rope` arguments are (cos, sin) [B, T, qk_rope_head_dim / 2] (rope.rotary_cos_sin), computed
+    once per forward. `fused` picks forward_paged's path like RMSNorm.fused: None (automatic: the
+    Triton kernels of fused_mla.py on CUDA without autograd), True (forced, e.g. under the
+    interpreter in tests) or False (the PyTorch reference).
+    """
+
+    fused: bool | None = None
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -52,20 +54,55 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
         self.scale = softmax_scale(cfg)
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (rotated)."""
-        cfg = self.cfg
-        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
-        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        return q_nope, apply_rotary(q_rope, positions, *rope, cfg.rope_interleave)
+    def _input_projections(self) -> tuple[nn.Linear, nn.Linear]:
+        """The two projections that read the layer's input: the query's first, the latent's."""
+        return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa
 
-    def latents(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
-        """x [B, T, hidden] -> cache entries [B, T, kv_lora_rank + rope]: normalized latent, rotated key."""
+    def fuse_input_projections(self) -> None:
+        """Store both input projections' weights in one buffer (parameter names, shapes and
+        state_dict unchanged; values kept), so that a forward reads the input with one GEMM.
+        The loader calls it; a later .to() or reassignment splits them again and the forward
+        falls back to two GEMMs."""
+        first, second = self._input_projections()
+        joint = torch.cat([first.weight.detach(), second.weight.detach()])
+        first.weight = nn.Parameter(joint[: first.weight.shape[0]], requires_grad=first.weight.requires_grad)
+        second.weight = nn.Parameter(joint[first.weight.shape[0] :], requires_grad=second.weight.requires_grad)
+
+    def _joint_weight(self) -> torch.Tensor | None:
+        """[q rows + kv rows, hidden]: both input weights as one view when they are adjacent in
+        memory (fuse_input_projections) and no gradient is wanted (the view feeds only one)."""
+        a, b = (p.weight for p in self._input_projections())
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return None
+        if a.dtype != b.dtype or a.device != b.device or not (a.is_contiguous() and b.is_contiguous()):
+            return None
+        if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+            return None
+        return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q [B, T, H, qk_head_dim] (not rotated), kv [B, T, kv_lora_rank + rope]
+        (latent before its norm, shared key before rotation)."""
         cfg = self.cfg
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        k_rope = apply_rotary(k_rope[:, :, None], positions, *rope, cfg.rope_interleave)[:, :, 0]
-        return torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
+        joint = self._joint_weight()
+        first, second = self._input_projections()
+        if joint is not None:
+            q, kv = F.linear(x, joint).split([first.weight.shape[0], second.weight.shape[0]], dim=-1)
+        else:
+            q, kv = first(x), second(x)
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim), kv
+
+    def rotated(self, q: torch.Tensor, kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """PyTorch path: project's outputs -> q_nope [B, T, H, nope], q_rope [B, T, H, rope]
+        (rotated) and cache entries [B, T, kv_lora_rank + rope] (normalized latent, rotated key)."""
+        cfg = self.cfg
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_rope = rotate(k_rope[:, :, None], *rope, cfg.rope_interleave)[:, :, 0]
+        entries = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
+        return q_nope, rotate(q_rope, *rope, cfg.rope_interleave), entries
 
     def expanded_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entries: torch.Tensor,
                            attn_mask=None) -> torch.Tensor:
@@ -86,27 +123,32 @@ class MLA(nn.Module):
                                              scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    def forward_prefill(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+    def forward_prefill(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Causal attention over the sequence itself, plain (non-absorbed) form."""
-        q_nope, q_rope = self.queries(x, positions, rope)
-        return self.expanded_attention(q_nope, q_rope, self.latents(x, positions, rope))
+        q_nope, q_rope, entries = self.rotated(*self.project(x), rope)
+        return self.expanded_attention(q_nope, q_rope, entries)
 
     def forward_prefill_paged(self, x: torch.Tensor, meta: PrefillMeta, cache: torch.Tensor,
-                              rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+                              rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Prompt chunk over the paged cache, non-absorbed form: writes the new entries (as
         forward_paged), reads each request's entries 0 .. prefix + N - 1 back, attends causally."""
-        q_nope, q_rope = self.queries(x, meta.positions, rope)
-        write_entries(cache, self.latents(x, meta.positions, rope), meta)
-        entries = gather_entries(cache, meta).to(x.dtype)
-        return self.expanded_attention(q_nope, q_rope, entries, meta.attn_mask)
+        q_nope, q_rope, entries = self.rotated(*self.project(x), rope)
+        write_entries(cache, entries, meta)
+        return self.expanded_attention(q_nope, q_rope, gather_entries(cache, meta).to(x.dtype), meta.attn_mask)
 
-    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Absorbed form over the paged cache: writes the new entries, then attends (verify / decode)."""
         cfg = self.cfg
         b, n, _ = x.shape
-        q_nope, q_rope = self.queries(x, meta.positions, rope)
-        write_entries(cache, self.latents(x, meta.positions, rope), meta)
+        q, kv = self.project(x)
         w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        if use_kernel(self.fused, "MLA.fused", x, w):
+            norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+            out = absorbed_attention(q, kv, w, norm, meta, cache, rope, self.scale, cfg.rope_interleave)
+            return self.o_proj(out.view(b, n, -1))
+        q_nope, q_rope, entries = self.rotated(q, kv, rope)
+        write_entries(cache, entries, meta)
         q_latent = torch.einsum("bnhk,hkc->bnhc", q_nope, w[:, : cfg.qk_nope_head_dim])  # W_UK absorbed
         out_latent = attend(torch.cat([q_latent, q_rope], -1), cache, meta, self.scale, cfg.kv_lora_rank)
         out = torch.einsum("bnhc,hvc->bnhv", out_latent.to(x.dtype), w[:, cfg.qk_nope_head_dim :])  # W_UV
@@ -121,16 +163,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, float]) -> torch.Tensor:
-        x = x + self.self_attn.forward_prefill(self.input_layernorm(x), positions, rope)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn.forward_prefill(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_paged(self, x: torch.Tensor, meta: ForwardMeta | PrefillMeta, cache: torch.Tensor,
-                      rope: tuple[torch.Tensor, float], router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, delta: torch.Tensor | None, meta: ForwardMeta | PrefillMeta,
+                      cache: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      router_ids: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is x + delta (delta: the previous layer's MLP output, None for the
+        first), so that each residual add runs inside the norm after it. Returns (residual,
+        mlp_out) [B, N, hidden] each; their sum is the layer's output."""
         attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
-        x = x + attn(self.input_layernorm(x), meta, cache, rope)
-        h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
+        x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm(x, delta)
+        x, h = self.post_attention_layernorm(x, attn(h, meta, cache, rope))
+        return x, (self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Target(nn.Module):
@@ -157,11 +203,11 @@ class Target(nn.Module):
         """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        rope = (self.inv_freq, self.rope_factor)
         x = self.embed_tokens(input_ids)
+        rope = rotary_cos_sin(positions, self.inv_freq, self.rope_factor, x.dtype)
         captured = []
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, rope)
+            x = layer(x, rope)
             if i in hidden_layers:
                 captured.append(x)
         return self.lm_head(self.norm(x)).float(), captured
@@ -199,16 +245,22 @@ class Target(nn.Module):
         Returns logits float32 [B, N, vocab] ([B, 1, vocab] with logit_rows) and the chosen
         layers' outputs [B, N, hidden].
         """
-        rope = (self.inv_freq, self.rope_factor)
         x = self.embed_tokens(input_ids)
-        captured = []
+        rope = rotary_cos_sin(meta.positions, self.inv_freq, self.rope_factor, x.dtype)  # once, not per layer
+        captured, delta = [], None
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x = layer.forward_paged(x, meta, cache, rope, router_ids)
+            x, delta = layer.forward_paged(x, delta, meta, cache, rope, router_ids)
             if i in hidden_layers:
-                captured.append(x)
+                captured.append(x + delta)
         if logit_rows is not None:
-            x = x.gather(1, logit_rows.view(-1, 1, 1).expand(-1, 1, x.shape[-1]))
-        return self.lm_head(self.norm(x)).float(), captured
+            rows = logit_rows.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+            x, delta = x.gather(1, rows), (None if delta is None else delta.gather(1, rows))
+        return self.lm_head(self.norm(x) if delta is None else self.norm(x, delta)[1]).float(), captured
+
+    def fuse_input_projections(self) -> None:
+        """MLA.fuse_input_projections in every layer (the loader calls it)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_input_projections()
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

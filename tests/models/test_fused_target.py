@@ -1,0 +1,88 @@
+"""The target's paged forward with the norm and MLA kernels forced on (the interpreter on the CPU)
+equals its PyTorch path: logits, captured hidden states and every cache entry written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.models import TargetConfig, random_target
+from ddtree.models.norm import RMSNorm
+from ddtree.models.paged import ForwardMeta
+from ddtree.models.target import MLA, Target
+from ddtree.tree import pack_visibility
+
+PAGE = 4
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+
+
+def tiny(q_lora_rank: int | None, interleave: bool) -> TargetConfig:
+    return TargetConfig.from_dict(dict(
+        vocab_size=64, hidden_size=48, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=3, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=2.5, kv_lora_rank=24,
+        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=12, n_group=1, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=512,
+        rope_interleave=interleave, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}))
+
+
+def chain_meta(prefix: list[int], n: int, num_rows: list[int]) -> ForwardMeta:
+    """Two requests on pages [0, 1, 2] and [3, 4, 5] (page 6: scratch), n new rows each."""
+    p = torch.tensor(prefix, dtype=torch.int32)
+    return ForwardMeta.build(torch.arange(6, dtype=torch.int32).view(2, 3), p, torch.tensor(num_rows, dtype=torch.int32),
+                             p.long()[:, None] + torch.arange(n),
+                             pack_visibility(torch.ones(n, n, dtype=torch.bool).tril().expand(2, n, n)),
+                             page_size=PAGE, scratch_page=6)
+
+
+def forward(model, ids, meta, caches, fused: bool, monkeypatch):
+    monkeypatch.setattr(RMSNorm, "fused", fused)
+    monkeypatch.setattr(MLA, "fused", fused)
+    with torch.no_grad():
+        return model.forward_paged(ids, meta, caches, hidden_layers=(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("q_lora_rank,interleave", [(None, True), (20, False)], ids=["moonlight", "q_lora"])
+def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, monkeypatch):
+    model = random_target(tiny(q_lora_rank, interleave), dtype=dtype, std=0.1)
+    with torch.no_grad():  # with autograd on, each weight keeps its own GEMM
+        assert model.layers[0].self_attn._joint_weight() is not None, "the loader's joint input projection is not in use"
+    gen = torch.Generator().manual_seed(0)
+    caches = model.new_cache(6, PAGE)
+    forward(model, torch.randint(0, 64, (2, 5), generator=gen), chain_meta([0, 0], 5, [5, 3]), caches, False, monkeypatch)
+    fused_caches = [c.clone() for c in caches]
+    ids = torch.randint(0, 64, (2, 3), generator=gen)
+    meta = chain_meta([5, 3], 3, [3, 2])  # request 1: one padding row, to the scratch page
+    want, want_hidden = forward(model, ids, meta, caches, False, monkeypatch)
+    got, hidden = forward(model, ids, meta, fused_caches, True, monkeypatch)
+    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
+    torch.testing.assert_close(got[1, :2], want[1, :2], **TOL[dtype])
+    for g, w in zip(hidden, want_hidden):
+        torch.testing.assert_close(g, w, **TOL[dtype])
+    for g, w in zip(fused_caches, caches):
+        torch.testing.assert_close(g, w, **TOL[dtype])
+
+
+def test_joint_projection_keeps_names_and_values():
+    """fuse_input_projections changes the storage only: same state_dict keys, shapes and values;
+    a model moved with .to() splits the weights and falls back to two GEMMs."""
+    cfg = tiny(20, True)
+    model = Target(cfg)
+    with torch.no_grad():
+        for param in model.parameters():  # the experts start uninitialized (torch.empty)
+            param.normal_(0.0, 0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert model.layers[0].self_attn._joint_weight() is None
+    model.fuse_input_projections()
+    assert model.layers[0].self_attn._joint_weight() is None  # autograd on: the view would feed one weight only
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    x = torch.randn(1, 2, 48)
+    with torch.no_grad():
+        joint = model.layers[0].self_attn.project(x)
+        split = model.to(torch.float64).layers[0].self_attn
+        assert split._joint_weight() is None
+        separate = split.project(x.double())
+    for j, s in zip(joint, separate):
+        torch.testing.assert_close(j.double(), s, rtol=1e-5, atol=1e-5)

@@ -21,9 +21,11 @@ NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_experts", "num_blocks"}
 
 
-def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1) -> dict:
-    """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n}
-    for `fn` compiled for sm_90a; pointers maps pointer arguments to Triton types ("*bf16")."""
+def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1,
+                   not_divisible: tuple[str, ...] = ()) -> dict:
+    """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n,
+    "approx_divides": n PTX div.full / div.approx} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
+    Triton types ("*bf16", "fp32"); not_divisible: more arguments not specialized as 16-divisible."""
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -31,7 +33,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
             constexprs[(i,)] = constants[name]
             continue
         signature[name] = pointers.get(name, "i32")
-        if name not in NOT_DIVISIBLE:
+        if name not in NOT_DIVISIBLE and name not in not_divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -49,6 +51,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)),
         "mma": len(re.findall(r"\bHG?MMA\.", sass)),
         "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
+        "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
     }
 
 

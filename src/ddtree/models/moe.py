@@ -1,4 +1,4 @@
-"""Dense SwiGLU MLP and the routed + shared expert MoE (noaux_tc / greedy routers)."""
+"""Dense SwiGLU MLP, the router (noaux_tc / greedy) and the routed + shared expert MoE."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 from .config import TargetConfig
 from .fused_moe import DTYPES as FUSED_DTYPES
 from .fused_moe import fused_moe
+from .router_kernel import fused_route
 
 
 class MLP(nn.Module):
@@ -24,9 +25,22 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values along the last dim, largest first, equal values by ascending
+    index (a stable sort). torch.topk leaves tie order open: on the CPU it returned [4, 7, 5] for
+    the top three of [1, 3, 3, 2, 3, 3, 0, 3]. The fused router (router_kernel.py) breaks ties so."""
+    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
+
+
 class Router(nn.Module):
     """Top-k expert choice per token: sigmoid scores with a correction bias and group limits
-    (noaux_tc: DeepSeek-V3, Kimi K2, Moonlight) or softmax scores (greedy: DeepSeek-V2)."""
+    (noaux_tc: DeepSeek-V3, Kimi K2, Moonlight) or softmax scores (greedy: DeepSeek-V2).
+
+    After the float32 GEMM, two paths: PyTorch (the reference, autograd, the CPU default) and
+    router_kernel.fused_route (one launch; CUDA without autograd by default). `fused` overrides
+    the choice: None (automatic), True (the kernel, e.g. on the CPU under TRITON_INTERPRET=1) or
+    False (PyTorch). Both give the same ids, ties included, and weights up to float32 rounding.
+    """
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()
@@ -34,19 +48,37 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         bias = cfg.topk_method == "noaux_tc"
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts)) if bias else None
+        self.fused: bool | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
+        if not self._use_fused(logits):
+            return self._reference(logits)
+        return fused_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
+                           scoring_func=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
+                           topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                           routed_scaling_factor=cfg.routed_scaling_factor)
+
+    def _use_fused(self, logits: torch.Tensor) -> bool:
+        if self.fused is None:
+            return logits.is_cuda and not logits.requires_grad
+        if self.fused and logits.requires_grad:
+            raise RuntimeError("Router.fused is True but autograd needs this forward: the fused router has no backward")
+        return self.fused
+
+    def _reference(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits float32 [T, E] -> (weights float32 [T, k], ids int64 [T, k])."""
+        cfg = self.cfg
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
         if cfg.n_group > 1 and cfg.topk_method in ("noaux_tc", "group_limited_greedy"):
-            grouped = choice.view(x.shape[0], cfg.n_group, -1)
+            grouped = choice.view(logits.shape[0], cfg.n_group, -1)
             group_score = grouped.topk(2, -1).values.sum(-1) if cfg.topk_method == "noaux_tc" else grouped.max(-1).values
-            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(cfg.topk_group, -1).indices, 1.0)
+            keep = torch.zeros_like(group_score).scatter_(1, top_indices(group_score, cfg.topk_group), 1.0)
             choice = choice.masked_fill(~keep.bool().repeat_interleave(grouped.shape[-1], 1), float("-inf"))
-        ids = choice.topk(cfg.num_experts_per_tok, -1).indices
+        ids = top_indices(choice, cfg.num_experts_per_tok)
         weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

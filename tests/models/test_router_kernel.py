@@ -206,6 +206,7 @@ def test_router_on_cuda_takes_the_kernel_and_captures_in_a_graph(monkeypatch):
     real = moe_module.fused_route
     monkeypatch.setattr(moe_module, "fused_route", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     router = Case(256, 8, 8, 4, seed=7).router().cuda()
+    router.fused = None  # the automatic choice (the default is False until this test has passed on a GPU)
     x = torch.randn(64, 16, device="cuda")
     got = router(x)
     assert calls == [1]

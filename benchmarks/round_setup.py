@@ -35,7 +35,7 @@ from ddtree.engine.batch import BatchState, SlotSettings
 from ddtree.engine.pages import pages_for
 from ddtree.engine.round import RoundContext
 from ddtree.models import Drafter, DrafterConfig, Target, TargetConfig, check_pair
-from ddtree.models.rope import inv_freq_and_factor
+from ddtree.models.loader import init_random, random_target
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 ALPHA = 3.0  # logit std of a hidden state unrelated to any embedding (engine_parity's --logit-std)
@@ -77,31 +77,14 @@ def drafter_config(cfg: TargetConfig, layers: int = 5, block_size: int = 16) -> 
                        "mask_token_id": cfg.vocab_size - 1}))
 
 
-def _random_init(model: torch.nn.Module, device, seed: int, std: float = 0.02) -> None:
-    """random_target's distributions: norms 1, router bias 0, every other weight N(0, std^2)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=gen)
-
-
 def random_model(module_type, cfg, dtype, device, seed: int) -> torch.nn.Module:
-    """A Target or Drafter with random weights made on `device` directly in `dtype`.
-
-    Not models.random_target: its loader materializes float32 storage and casts afterwards, a
-    peak of 4 bytes per parameter (216 GB for 4 layers of Kimi K2, more than an H200 holds);
-    casting on the meta device first allocates only the bf16 weights."""
+    """A Target or Drafter with random_target's weight distributions, made on `device` directly
+    in `dtype` (built on the meta device, so no float32 copy ever exists)."""
+    if module_type is Target:
+        return random_target(cfg, dtype=dtype, device=device, seed=seed).requires_grad_(False)
     with torch.device("meta"):
         model = module_type(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    if isinstance(model, Target):
-        model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)  # float32, as the loader keeps it
-    _random_init(model, device, seed)
+    model = init_random(model.to(dtype).to_empty(device=device), seed=seed)
     return model.eval().requires_grad_(False)
 
 

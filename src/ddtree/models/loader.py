@@ -108,17 +108,22 @@ def random_target(
 ) -> Target:
     """A target with random weights made directly on `device` (no host copy, no checkpoint), for
     benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2)."""
-    model = _empty_target(cfg, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=gen)
-    return model.eval()
+    return init_random(_empty_target(cfg, dtype, device), seed=seed, std=std).eval()
+
+
+@torch.no_grad()
+def init_random(model: torch.nn.Module, *, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
+    """Fill a model's weights in place, on their device, with random_target's distributions
+    (norms 1, router bias 0, every other weight N(0, std^2)); returns the model."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("e_score_correction_bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+    return model
 
 
 def load_drafter(

@@ -17,8 +17,8 @@ def pair(tmp_path_factory):
 
 
 def _engine(pair, overlap: bool, **kwargs) -> Engine:
-    return Engine.from_pretrained(*pair, device="cpu", page_size=8, max_batch=4, max_model_len=256, overlap=overlap,
-                                  **kwargs)
+    kwargs = dict(max_model_len=256) | kwargs
+    return Engine.from_pretrained(*pair, device="cpu", page_size=8, max_batch=4, overlap=overlap, **kwargs)
 
 
 @pytest.mark.parametrize("mode,budget,temperature", [("ar", 1, 0.0), ("chain", 1, 0.0), ("ddtree", 12, 0.0),
@@ -77,3 +77,20 @@ def test_abort_with_a_round_in_flight_frees_everything(pair):
     assert engine.blocks.num_free == engine.blocks.num_pages
     again = engine.generate(prompts(2, 96, seed=3), max_new_tokens=10, mode="ddtree", budget=8)
     assert all(len(o.token_ids) == 10 for o in again)
+
+
+def test_the_round_after_a_request_ends_stays_inside_the_drafter_cache(pair):
+    """Full acceptance up to the last token of max_model_len, a prefill chunk below 2 (D + 1):
+    the request's last round overshoots by D and the round launched after it (overlap) still
+    drafts a block beyond that, which the drafter cache must hold (it raised IndexError)."""
+    import torch
+
+    for overlap in (False, True):
+        engine = _engine(pair, overlap=overlap, prefill_chunk=4, stop_token_ids=(), max_model_len=64)
+        with torch.no_grad():
+            engine.target.lm_head.weight.zero_()  # every logit equal: target and drafter agree, full acceptance
+        rid = engine.add_request(list(range(1, 15)), SamplingParams(max_new_tokens=50, ignore_eos=True), mode="chain")
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.take_result(rid)
+        assert len(out.token_ids) == 50 and max(out.stats.acceptance_lengths) == engine.max_depth + 1

@@ -1,8 +1,10 @@
 """Engine: requests in, committed tokens out. add_request / step / abort underneath, generate on top.
 
 One step admits waiting requests that fit (a free slot, pages for their worst case), prefills
-them, and runs one round for every request that was already running. The host waits for one
-small copy per round (the committed tokens); everything else stays on the device.
+them, and launches one round for every running request; with overlap (the default) it then reads
+the previous step's round, so the host's work on committed tokens runs while the device computes
+(engine/inflight.py). The host waits for one small copy per round; everything else stays on the
+device.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class Engine:
         num_pages = num_pages or default_num_pages(target, page_size, max_batch * width, self.device)
         self.blocks = BlockManager(num_pages, page_size, max_batch, width)
         self.caches = target.new_cache(num_pages, page_size)
-        capacity = self.max_model_len + max(prefill_chunk, self.max_depth + 1)
+        # A request's last round may commit D tokens past max_model_len - 1, and with overlap the
+        # round after it still drafts a block there before the host has seen it finish.
+        capacity = self.max_model_len + max(prefill_chunk, 2 * (self.max_depth + 1))
         self.state = BatchState(max_batch, width, self.device, drafter, capacity)
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.ctx = RoundContext(target, drafter, self.caches, page_size, num_pages,
@@ -256,7 +260,7 @@ class Engine:
                              for r in requests])
         table = self.blocks.table[: plan.bucket]
         if self.device.type == "cuda":
-            table = table.pin_memory()  # a copy the host may change afterwards; pinned, so no stream sync
+            table = table.pin_memory()  # a snapshot the host may change afterwards; a pinned source copies asynchronously
         self.state.block_table[: plan.bucket].copy_(table, non_blocking=True)
         timer = StageTimer(self.device, self.time_stages)
         timer.start()

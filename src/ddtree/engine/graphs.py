@@ -38,7 +38,7 @@ class RoundGraphs:
     """Per-plan CUDA graphs of run_round over one engine's context and batch state."""
 
     def __init__(self, ctx: RoundContext, state: BatchState, max_depth: int, max_graphs: int = 64):
-        """max_graphs: plans to keep graphs for; a new plan past it runs eagerly (logged once)."""
+        """max_graphs: plans to keep graphs for; a new plan past it runs eagerly."""
         if state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the engine on a CUDA device, got {state.device}")
         self.ctx, self.state, self.max_depth, self.max_graphs = ctx, state, max_depth, max_graphs

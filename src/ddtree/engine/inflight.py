@@ -44,5 +44,5 @@ def launch_copy(result: torch.Tensor, requests: list[Request], plan: RoundPlan, 
     host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
     host.copy_(result, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(result.device))  # the engine's device, whatever the thread's current one
     return Flight(requests, plan, host, done, timer)

@@ -1,9 +1,11 @@
 """The scheduler thread: the one owner of the Engine, running continuous batching.
 
 Each turn of its loop takes the HTTP side's submissions and aborts from an inbox, then runs one
-engine step: the engine admits the waiting requests whose worst case fits the free pages, and one
-round runs for the whole batch; finished requests leave at once. New requests therefore join
-between rounds, and a disconnected client's abort is applied before the next round.
+engine step: the engine admits the waiting requests whose worst case fits the free pages, launches
+one round for the whole batch and reads the previous one (Engine overlap: tokens reach clients one
+round after the device committed them); finished requests leave as soon as that read shows it. New
+requests therefore join between rounds, and a disconnected client's abort is applied at the next
+step (a round already launched for it is discarded, its pages freed).
 
 Failures stay contained: an error while preparing or delivering one request fails that request
 alone (500, logged with its id); an error inside `engine.step()`, which no request can be blamed

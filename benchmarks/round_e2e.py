@@ -45,7 +45,6 @@ def forced_acceptance(target, drafter, perm: torch.Tensor, *, batches: list[int]
                       new: int, budget: int, seed: int = 5, cuda_graphs: bool = False) -> list[dict]:
     """One row per (B, mode, L); `ar` rows have L = 1. speedup_vs_ar compares tokens/s at one B.
     cuda_graphs: the engine replays its rounds from CUDA graphs (Engine(cuda_graphs=True))."""
-    device = target.embed_tokens.weight.device
     gen = torch.Generator().manual_seed(seed)
     vocab = target.cfg.vocab_size
     pool = [torch.randint(0, vocab - 1, (prefix,), generator=gen).tolist() for _ in range(max(batches))]

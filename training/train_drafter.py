@@ -12,7 +12,6 @@ against the target's own next-token distributions, decayed with the position in 
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 

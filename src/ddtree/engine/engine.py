@@ -1,4 +1,5 @@
-"""Engine: requests in, committed tokens out. add_request / step / abort underneath, generate on top.
+"""Engine: requests in, committed tokens out. add_request / step / abort underneath, generate on top
+(engine/generate.py).
 
 One step admits waiting requests that fit (a free slot, pages for their worst case), prefills
 them, and launches one round for every running request; with overlap (the default) it then reads
@@ -19,19 +20,20 @@ import torch
 from ..models import Drafter, Target, load_drafter, load_target
 from ..tree.types import MAX_TRITON_BUDGET
 from .batch import BatchState, SlotSettings
+from .generate import OfflineGeneration
 from .graphs import RoundGraphs
 from .inflight import Flight, launch_copy
 from .loading import default_num_pages, load_tokenizer, stop_token_ids
 from .pages import BlockManager, KVCacheFull, pages_for
 from .prefill import PREFILL_FORMS, prefill
 from .request import MODES, Request, RequestOutput, StepOutput
-from .round import RoundContext, RoundPlan, result_width, run_round
+from .round import RoundContext, run_round
 from .sampling import SamplingParams
-from .scheduling import batch_requests, generation_params, per_prompt_params
+from .scheduling import batch_requests, generation_params
 from .timing import StageTimer
 
 
-class Engine:
+class Engine(OfflineGeneration):
     def __init__(self, target: Target, drafter: Drafter | None = None, tokenizer=None, *, max_batch: int = 32,
                  max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
                  max_budget: int = 256, prefill_chunk: int = 512, prefill_form: str = "expanded",
@@ -300,37 +302,7 @@ class Engine:
             self._release(request)
         return out
 
-    # -- generate ------------------------------------------------------------------------------
-
-    def generate(self, prompts: list, max_new_tokens=128, mode: str = "ddtree", budget=64, temperature=0.0,
-                 top_p=1.0, top_k=0, seed=None, stop=None, *, progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (strings, or lists of token ids); any setting may be a list
-        with one value per prompt. Returns one RequestOutput per prompt, in order."""
-        per_request = per_prompt_params(len(prompts), max_new_tokens=max_new_tokens, temperature=temperature,
-                                                top_p=top_p, top_k=top_k, seed=seed, stop=stop)
-        modes = mode if isinstance(mode, list) else [mode] * len(prompts)
-        budgets = budget if isinstance(budget, list) else [budget] * len(prompts)
-        if len(modes) != len(prompts) or len(budgets) != len(prompts):
-            raise ValueError(f"mode and budget lists must have one entry per prompt ({len(prompts)})")
-        ids = []
-        try:
-            for prompt, params, m, b in zip(prompts, per_request, modes, budgets):
-                ids.append(self.add_request(prompt, params, mode=m, budget=b))
-        except Exception:
-            for request_id in ids:  # all or nothing: no half-queued batch is left behind
-                self.abort(request_id)
-            raise
-        bar = _progress(len(ids)) if progress else None
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [self.take_result(request_id) for request_id in ids]
+    # -- results ------------------------------------------------------------------------------
 
     def take_result(self, request_id: str) -> RequestOutput:
         """The output of a finished request; the engine forgets it afterwards."""
@@ -339,8 +311,3 @@ class Engine:
             raise KeyError(f"no finished request {request_id!r}")
         return self._requests.pop(request_id).result()
 
-
-def _progress(total: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="generate", unit="req")

@@ -4,10 +4,7 @@ report what the hardware would get: shared memory, registers, spills and the ten
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import torch
 import triton
@@ -20,7 +17,8 @@ from triton.runtime.jit import native_specialize_impl
 
 from ddtree.attention import tree_verify_hopper
 
-NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+from ..sm90_assembly import assemble
+
 
 
 def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
@@ -54,18 +52,11 @@ def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
     compiled = triton.compile(GluonASTSource(fn, signature, constexprs), target=target, options={"num_warps": 8})
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        info = subprocess.run([str(NVIDIA_BIN / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)],
-                              capture_output=True, text=True, check=True).stderr
-        cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout
+    asm = assemble(compiled)
     return {
         "shared": compiled.metadata.shared,
-        "registers": int(re.search(r"Used (\d+) registers", info)[1]),
-        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)),
-        "hgmma": Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass)),
+        "registers": asm["registers"],
+        "spill_bytes": asm["spill_bytes"],
+        "hgmma": Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", asm["sass"])),
         "ttgir": compiled.asm["ttgir"],
     }

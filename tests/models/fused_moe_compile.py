@@ -5,9 +5,6 @@ pipelined (cp.async) loads. Run without TRITON_INTERPRET."""
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -15,7 +12,8 @@ from triton.compiler import ASTSource
 
 from ddtree.models import fused_moe, moe_align
 
-NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+from ..sm90_assembly import assemble
+
 # Integer arguments that a launch at Kimi K2 / Moonlight shapes does not see as multiples of 16;
 # Triton specializes every other pointer and integer there as 16-divisible, and so does this.
 NOT_DIVISIBLE = {"num_pairs", "top_k", "num_experts", "num_blocks"}
@@ -37,19 +35,12 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        info = subprocess.run([str(NVIDIA_BIN / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)],
-                              capture_output=True, text=True, check=True).stderr
-        cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout
+    asm = assemble(compiled)
     return {
         "shared": compiled.metadata.shared,
-        "registers": int(re.search(r"Used (\d+) registers", info)[1]),
-        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)),
-        "mma": len(re.findall(r"\bHG?MMA\.", sass)),
+        "registers": asm["registers"],
+        "spill_bytes": asm["spill_bytes"],
+        "mma": len(re.findall(r"\bHG?MMA\.", asm["sass"])),
         "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
     }

@@ -195,8 +195,9 @@ class Engine(OfflineGeneration):
         return len(self._waiting)
 
     def has_unfinished(self) -> bool:
-        """Requests waiting or running, or a launched round whose tokens some request still needs."""
-        return bool(self._running or self._waiting or self._inflight is not None and any(map(self._live, self._inflight.requests)))
+        """Requests waiting or running. A round in flight needs no step of its own: every request
+        it still owes tokens to holds its slot (is running) until they have been read."""
+        return bool(self._running or self._waiting)
 
     def _live(self, request: Request) -> bool:
         return not request.finished and self._requests.get(request.id) is request

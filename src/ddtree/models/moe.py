@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import use_kernel
 from .config import TargetConfig
 from .fused_moe import DTYPES as FUSED_DTYPES
 from .fused_moe import fused_moe
@@ -63,11 +64,7 @@ class Router(nn.Module):
                            routed_scaling_factor=cfg.routed_scaling_factor)
 
     def _use_fused(self, logits: torch.Tensor) -> bool:
-        if self.fused is None:
-            return logits.is_cuda and not logits.requires_grad
-        if self.fused and logits.requires_grad:
-            raise RuntimeError("Router.fused is True but autograd needs this forward: the fused router has no backward")
-        return self.fused
+        return use_kernel(self.fused, "Router.fused", logits)
 
     def _reference(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits float32 [T, E] -> (weights float32 [T, k], ids int64 [T, k])."""
@@ -130,13 +127,10 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def _use_fused(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (x, weights, self.w_gate_up, self.w_down))
-        if self.fused is None:
-            return x.is_cuda and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype in FUSED_DTYPES and not needs_grad
-        if self.fused and needs_grad:
-            raise RuntimeError("MoE.fused is True but autograd needs this forward: the fused kernel has no backward")
-        return self.fused
+        chosen = use_kernel(self.fused, "MoE.fused", x, weights, self.w_gate_up, self.w_down)
+        if self.fused is None:  # the automatic choice also wants few rows of a kernel dtype
+            return chosen and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype in FUSED_DTYPES
+        return chosen
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights float32 [T, k], ids int64 [T, k] -> routed output [T, hidden]."""

@@ -85,6 +85,10 @@ def scaled_table(cells: list[dict]) -> str:
     return markdown_table(["B", "budget", "round ms, measured here", "round ms, scaled", "floor ms, scaled"], rows)
 
 
+def engine_kind(e2e: list[dict]) -> str:
+    return "engine with CUDA graphs" if e2e and e2e[0].get("cuda_graphs") else "eager engine"
+
+
 def markdown(payload: dict) -> str:
     s, cells = payload["setup"], payload["cells"]
     ceil = payload["ceilings"]
@@ -92,7 +96,7 @@ def markdown(payload: dict) -> str:
         f"{payload['config']}, first {s['target_layers']} of {s['published_layers']} layers, "
         f"{s['target_parameters'] / 1e9:.2f} B parameters, random {s['dtype']} weights built on {s['device']} "
         f"(successor target: round_setup.py), random DFlash drafter {s['drafter']}; prefix {s['prefix']} tokens per "
-        f"request (random cache and drafter-context entries), page {s['page_size']}, greedy. Measured ceilings: copy "
+        f"request (random cache and drafter-context entries), page {s['page_size']}, greedy, kernel paths {s.get('kernels', 'auto')}. Measured ceilings: copy "
         f"{ceil['copy_bandwidth_GBps']:.4g} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.4g} TFLOP/s. Repeats: "
         f"eager {s['repeats']}, graph {s['graph_repeats']} (after {s['warmup']} warm-up rounds). "
         "Eager stage times (the engine's StageTimer: CUDA events between stages) include the device's idle time "
@@ -106,7 +110,7 @@ def markdown(payload: dict) -> str:
     if payload.get("scaled_note"):
         parts.append(f"## Scaled to {s['published_layers']} layers\n\n{payload['scaled_note']}\n\n" + scaled_table(cells))
     if payload.get("e2e"):
-        parts.append("## End to end, acceptance forced to L (eager engine)\n\n" + payload["e2e_note"] + "\n\n"
+        parts.append(f"## End to end, acceptance forced to L ({engine_kind(payload['e2e'])})\n\n" + payload["e2e_note"] + "\n\n"
                      + e2e_table(payload["e2e"]))
     parts.append("## Floor formulas\n\n" + "\n".join(f"- {k}: {v}" for k, v in FORMULAS.items()) + f"\n\n{LEGEND}")
     return "\n\n".join(parts)
@@ -159,7 +163,7 @@ def plot(payload: dict, path: Path) -> bool:
             if r["mode"] == "ar":
                 ax.axhline(r["tokens_per_s"], color="gray", linestyle="--", label="ar")
         ax.set_xlabel("forced acceptance length L")
-        ax.set_ylabel("tokens/s (eager engine)")
+        ax.set_ylabel(f"tokens/s ({engine_kind(e2e)})")
         ax.set_title(f"B = {e2e_batches[j]}: end to end", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -28,6 +28,7 @@ from common import environment, markdown_table, measure_ceilings, time_events_us
 
 from ddtree.models import TargetConfig, random_target  # noqa: E402
 from ddtree.models.paged import ForwardMeta  # noqa: E402
+from ddtree.models.switches import KERNEL_PATHS, set_kernel_paths  # noqa: E402
 from ddtree.tree import pack_visibility  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 65])
+    parser.add_argument("--kernels", default="auto", choices=sorted(KERNEL_PATHS), help="models.switches.set_kernel_paths")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -97,6 +99,7 @@ def main() -> None:
     cfg = TargetConfig.from_dict(raw)
     ceilings = measure_ceilings()
     model = random_target(cfg, dtype=torch.bfloat16, device="cuda")
+    set_kernel_paths(model, args.kernels)
     params = sum(p.numel() for p in model.parameters())
     per_expert, routed = routed_expert_counts(cfg)
     dense = params - model.embed_tokens.weight.numel() - per_expert * routed  # the embedding is gathered, not read
@@ -122,12 +125,13 @@ def main() -> None:
          for r in results],
     )
     header = (f"{args.config}, first {cfg.num_hidden_layers} layer(s), {params / 1e9:.2f} B parameters, random bf16 "
-              f"weights, page {PAGE}. Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
+              f"weights, page {PAGE}, kernel paths {args.kernels}. Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
               f"{ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n")
     payload = {"environment": environment(), "config": args.config, "layers": cfg.num_hidden_layers,
-               "parameters": params, "ceilings": ceilings, "results": results}
+               "kernels": args.kernels, "parameters": params, "ceilings": ceilings, "results": results}
     print(header + table)
     name = f"target_forward-{args.config}" + (f"-{cfg.num_hidden_layers}l" if args.layers else "")
+    name += "" if args.kernels == "auto" else f"-{args.kernels}"
     print("wrote", write_results(name, payload, header + table, args.out))
 
 

@@ -17,8 +17,8 @@ def pair(tmp_path_factory):
 
 
 def _engine(pair, overlap: bool, **kwargs) -> Engine:
-    kwargs = dict(max_model_len=256) | kwargs
-    return Engine.from_pretrained(*pair, device="cpu", page_size=8, max_batch=4, overlap=overlap, **kwargs)
+    kwargs = dict(max_model_len=256, device="cpu") | kwargs
+    return Engine.from_pretrained(*pair, page_size=8, max_batch=4, overlap=overlap, **kwargs)
 
 
 @pytest.mark.parametrize("mode,budget,temperature", [("ar", 1, 0.0), ("chain", 1, 0.0), ("ddtree", 12, 0.0),
@@ -94,3 +94,22 @@ def test_the_round_after_a_request_ends_stays_inside_the_drafter_cache(pair):
             engine.step()
         out = engine.take_result(rid)
         assert len(out.token_ids) == 50 and max(out.stats.acceptance_lengths) == engine.max_depth + 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+def test_overlap_on_cuda_equals_step_by_step(pair, cuda_graphs):
+    """On a GPU the host really runs ahead of the device: same tokens and finishes as without overlap."""
+    import torch
+
+    batch = prompts(7, 96, seed=6, lengths=(2, 20))
+    args = dict(max_new_tokens=[3, 17, 1, 30, 9, 24, 5], mode="ddtree", budget=12, temperature=1.0, seed=list(range(7)))
+    kwargs = dict(device="cuda", dtype=torch.bfloat16, cuda_graphs=cuda_graphs)
+    want = _engine(pair, overlap=False, **kwargs).generate(batch, **args)
+    engine = _engine(pair, overlap=True, **kwargs)
+    got = engine.generate(batch, **args)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    while engine.has_unfinished():
+        assert engine.step() == []
+    assert engine.blocks.num_free == engine.blocks.num_pages

@@ -44,16 +44,18 @@ def forward(model, ids, meta, caches, fused: bool, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("q_lora_rank,interleave", [(None, True), (20, False)], ids=["moonlight", "q_lora"])
-def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, monkeypatch):
-    model = random_target(tiny(q_lora_rank, interleave), dtype=dtype, std=0.1)
+def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, monkeypatch, kernel_device):
+    model = random_target(tiny(q_lora_rank, interleave), dtype=dtype, std=0.1, device=kernel_device)
     with torch.no_grad():  # with autograd on, each weight keeps its own GEMM
         assert model.layers[0].self_attn._joint_weight() is not None, "the loader's joint input projection is not in use"
     gen = torch.Generator().manual_seed(0)
     caches = model.new_cache(6, PAGE)
-    forward(model, torch.randint(0, 64, (2, 5), generator=gen), chain_meta([0, 0], 5, [5, 3]), caches, False, monkeypatch)
+    on = lambda meta: ForwardMeta(**{k: v.to(kernel_device) for k, v in vars(meta).items()})  # noqa: E731
+    ids = torch.randint(0, 64, (2, 5), generator=gen).to(kernel_device)
+    forward(model, ids, on(chain_meta([0, 0], 5, [5, 3])), caches, False, monkeypatch)
     fused_caches = [c.clone() for c in caches]
-    ids = torch.randint(0, 64, (2, 3), generator=gen)
-    meta = chain_meta([5, 3], 3, [3, 2])  # request 1: one padding row, to the scratch page
+    ids = torch.randint(0, 64, (2, 3), generator=gen).to(kernel_device)
+    meta = on(chain_meta([5, 3], 3, [3, 2]))  # request 1: one padding row, to the scratch page
     want, want_hidden = forward(model, ids, meta, caches, False, monkeypatch)
     got, hidden = forward(model, ids, meta, fused_caches, True, monkeypatch)
     torch.testing.assert_close(got[0], want[0], **TOL[dtype])

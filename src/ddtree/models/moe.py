@@ -49,8 +49,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         bias = cfg.topk_method == "noaux_tc"
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts)) if bias else None
-        # None (automatic) once fused_route has run on the H200; written under the interpreter only
-        self.fused: bool | None = False
+        self.fused: bool | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""

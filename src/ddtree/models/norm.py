@@ -25,10 +25,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 class RMSNorm(nn.Module):
     """`fused` picks the path: None (automatic: the kernel on CUDA without autograd), True (the
     kernel; on the CPU under TRITON_INTERPRET=1, for tests) or False (PyTorch). Set it on the
-    class to switch every norm, or on one instance. The default stays False until the kernel has
-    run on the H200 (it was written and tested under the interpreter only)."""
+    class to switch every norm, or on one instance; models.switches.set_kernel_paths sets every
+    switched module of a model."""
 
-    fused: bool | None = False
+    fused: bool | None = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

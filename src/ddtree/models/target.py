@@ -33,11 +33,10 @@ class MLA(nn.Module):
     `rope` arguments are (cos, sin) [B, T, qk_rope_head_dim / 2] (rope.rotary_cos_sin), computed
     once per forward. `fused` picks forward_paged's path like RMSNorm.fused: None (automatic: the
     Triton kernels of fused_mla.py on CUDA without autograd), True (forced, e.g. under the
-    interpreter in tests) or False (the PyTorch reference). The default stays False until the
-    kernels have run on the H200 (written and tested under the interpreter only).
+    interpreter in tests) or False (the PyTorch reference).
     """
 
-    fused: bool | None = False
+    fused: bool | None = None
 
     def __init__(self, cfg: TargetConfig):
         super().__init__()

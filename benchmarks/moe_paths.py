@@ -1,0 +1,113 @@
+"""Routed experts at few rows: the fused Triton MoE (models/fused_moe.py, several tile shapes)
+against the grouped-GEMM path (MoE._grouped, torch._grouped_mm) it replaces below
+MoE FUSED_MAX_TOKENS, and against the floor of reading the touched experts' weights once.
+
+    python benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 --tokens 1 2 4 8 16 32 64 65 128
+
+One MoE layer of each config with random bf16 weights on the GPU; the router's own choices on
+random rows (so routing is about uniform, as in a balanced trained model). Each time is the median
+of CUDA-graph replays (common.time_graph_us), the router excluded: both paths get the same ids.
+floor = distinct experts touched x bytes per expert / copy bandwidth measured in this run.
+Writes moe_paths-<gpu>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, markdown_table, measure_ceilings, time_graph_us, write_results  # noqa: E402
+
+from ddtree.models import TargetConfig  # noqa: E402
+from ddtree.models.fused_moe import Workspace, fused_moe  # noqa: E402
+from ddtree.models.moe import FUSED_MAX_TOKENS, MoE  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+TILES = [(16, 64, 128), (16, 32, 128), (16, 128, 64), (16, 64, 64), (32, 64, 128), (64, 64, 64)]  # (m, n, k)
+
+
+def moe_layer(name: str) -> MoE:
+    cfg = TargetConfig.from_dict(json.loads((CONFIGS / f"{name}.json").read_text()))
+    layer = MoE(cfg)
+    layer.shared_experts = None  # dense and the same on both paths: not what is compared
+    layer.to(device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+    return layer
+
+
+@torch.no_grad()
+def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) -> list[dict]:
+    cfg = layer.gate.cfg
+    e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    expert_bytes = 3 * h * i * 2
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, device=layer.w_down.device, dtype=layer.w_down.dtype)
+        weights, ids = layer.gate(x)
+        touched = int(ids.unique().numel())
+        floor = touched * expert_bytes / (ceilings["copy_bandwidth_GBps"] * 1e3)
+        row = {"config": name, "tokens": t, "experts_touched": touched, "floor_us": floor}
+        row["grouped_us"] = time_graph_us(lambda: layer._grouped(x, weights, ids), launches_per_graph=5, trials=15)
+        out = torch.empty_like(x)
+        want = layer._grouped(x, weights, ids).float()
+        for m, n, k in tiles:
+            ws = Workspace.empty(t, ids.shape[1], e, h, i, x.dtype, x.device, m)
+            run = lambda: fused_moe(x, layer.w_gate_up, layer.w_down, weights, ids, out=out, workspace=ws,  # noqa: E731
+                                    block_m=m, block_n=n, block_k=k)
+            out.fill_(float("nan"))
+            run()
+            err = (out.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+            row[f"fused_{m}x{n}x{k}_us"] = time_graph_us(run, launches_per_graph=5, trials=15)
+            row[f"fused_{m}x{n}x{k}_rel_err"] = err
+        fused = {key: v for key, v in row.items() if key.startswith("fused_") and key.endswith("_us")}
+        best = min(fused, key=fused.get)
+        row |= {"best_fused": best.removeprefix("fused_").removesuffix("_us"), "best_fused_us": fused[best],
+                "grouped_over_best_fused": row["grouped_us"] / fused[best]}
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["moonlight-16b-a3b", "kimi-k2"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 65, 128])
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("moe_paths.py needs a CUDA GPU")
+    ceilings = measure_ceilings()
+    print("ceilings", ceilings, flush=True)
+    rows = []
+    for name in args.configs:
+        layer = moe_layer(name)
+        rows += time_layer(name, layer, args.tokens, ceilings, TILES)
+        del layer
+        torch.cuda.empty_cache()
+    tile_names = [f"{m}x{n}x{k}" for m, n, k in TILES]
+    table = markdown_table(
+        ["config", "tokens", "experts touched", "floor (us)", "grouped (us)", *[f"fused {t} (us)" for t in tile_names],
+         "grouped / best fused", "best fused x floor"],
+        [[r["config"], r["tokens"], r["experts_touched"], f"{r['floor_us']:.1f}", f"{r['grouped_us']:.1f}",
+          *[f"{r[f'fused_{t}_us']:.1f}" for t in tile_names], f"{r['grouped_over_best_fused']:.2f}",
+          f"{r['best_fused_us'] / r['floor_us']:.2f}"] for r in rows])
+    header = (f"One routed-expert layer (shared expert left out, router excluded), random bf16 weights; tiles are "
+              f"BLOCK_M x BLOCK_N x BLOCK_K. MoE takes the fused path automatically at <= {FUSED_MAX_TOKENS} tokens. "
+              f"Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
+              f"{ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n")
+    payload = {"environment": environment(), "ceilings": ceilings, "tiles": tile_names, "rows": rows}
+    print(header + table)
+    print("wrote", write_results("moe_paths", payload, header + table, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -29,7 +29,11 @@ from ddtree.models.fused_moe import Workspace, fused_moe  # noqa: E402
 from ddtree.models.moe import FUSED_MAX_TOKENS, MoE  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-TILES = [(16, 64, 128), (16, 32, 128), (16, 128, 64), (16, 64, 64), (32, 64, 128), (64, 64, 64)]  # (m, n, k)
+TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
+
+
+def tile_name(tile) -> str:
+    return "auto" if tile is None else "x".join(map(str, tile))
 
 
 def moe_layer(name: str) -> MoE:
@@ -59,20 +63,21 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
         row["grouped_us"] = time_graph_us(lambda: layer._grouped(x, weights, ids), launches_per_graph=5, trials=15)
         out = torch.empty_like(x)
         want = layer._grouped(x, weights, ids).float()
-        for m, n, k in tiles:
+        for tile in tiles:
+            m, n, k = tile or (None, None, None)  # auto: fused_moe's own choice (block_m_for, tiles_for)
             ws = Workspace.empty(t, ids.shape[1], e, h, i, x.dtype, x.device, m)
             run = lambda: fused_moe(x, layer.w_gate_up, layer.w_down, weights, ids, out=out, workspace=ws,  # noqa: E731
                                     block_m=m, block_n=n, block_k=k)
             out.fill_(float("nan"))
             run()
             err = (out.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-            row[f"fused_{m}x{n}x{k}_us"] = time_graph_us(run, launches_per_graph=5, trials=15)
-            row[f"fused_{m}x{n}x{k}_rel_err"] = err
+            row[f"fused_{tile_name(tile)}_us"] = time_graph_us(run, launches_per_graph=5, trials=15)
+            row[f"fused_{tile_name(tile)}_rel_err"] = err
         fused = {key: v for key, v in row.items() if key.startswith("fused_") and key.endswith("_us")}
         best = min(fused, key=fused.get)
         row |= {"best_fused": best.removeprefix("fused_").removesuffix("_us"), "best_fused_us": fused[best],
                 "grouped_over_best_fused": row["grouped_us"] / fused[best]}
-        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("_err")}, flush=True)
         rows.append(row)
     return rows
 
@@ -81,19 +86,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["moonlight-16b-a3b", "kimi-k2"])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 65, 128])
+    parser.add_argument("--tiles", default=TILES, help="comma-separated MxNxK tiles, or auto (fused_moe's choice)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_paths.py needs a CUDA GPU")
     ceilings = measure_ceilings()
     print("ceilings", ceilings, flush=True)
+    tiles = [None if t == "auto" else tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
     rows = []
     for name in args.configs:
         layer = moe_layer(name)
-        rows += time_layer(name, layer, args.tokens, ceilings, TILES)
+        rows += time_layer(name, layer, args.tokens, ceilings, tiles)
         del layer
         torch.cuda.empty_cache()
-    tile_names = [f"{m}x{n}x{k}" for m, n, k in TILES]
+    tile_names = [tile_name(t) for t in tiles]
     table = markdown_table(
         ["config", "tokens", "experts touched", "floor (us)", "grouped (us)", *[f"fused {t} (us)" for t in tile_names],
          "grouped / best fused", "best fused x floor"],
@@ -101,12 +108,12 @@ def main() -> None:
           *[f"{r[f'fused_{t}_us']:.1f}" for t in tile_names], f"{r['grouped_over_best_fused']:.2f}",
           f"{r['best_fused_us'] / r['floor_us']:.2f}"] for r in rows])
     header = (f"One routed-expert layer (shared expert left out, router excluded), random bf16 weights; tiles are "
-              f"BLOCK_M x BLOCK_N x BLOCK_K. MoE takes the fused path automatically at <= {FUSED_MAX_TOKENS} tokens. "
+              f"BLOCK_M x BLOCK_N x BLOCK_K, auto is fused_moe's own choice (block_m_for, tiles_for). MoE takes the fused path automatically at <= {FUSED_MAX_TOKENS} tokens. "
               f"Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
               f"{ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n")
     payload = {"environment": environment(), "ceilings": ceilings, "tiles": tile_names, "rows": rows}
     print(header + table)
-    print("wrote", write_results("moe_paths", payload, header + table, args.out))
+    print("wrote", write_results("moe_paths", payload, header + table, args.out), flush=True)
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ class Engine(OfflineGeneration):
         self.timer = StageTimer(self.device, time_stages)
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
-        if cuda_graphs and (self.device.type != "cuda" or target.embed_tokens.weight.dtype == torch.float32):
-            # float32 takes torch._grouped_mm's fallback, which copies to the host: not capturable
-            raise ValueError(f"cuda_graphs needs bf16 or fp16 models on a CUDA device, got "
+        if cuda_graphs and (self.device.type != "cuda" or target.embed_tokens.weight.dtype != torch.bfloat16):
+            # torch._grouped_mm runs natively in bf16 only; its float32 / fp16 fallback copies to
+            # the host, which a graph cannot hold (found on the H200)
+            raise ValueError(f"cuda_graphs needs a bf16 model on a CUDA device, got "
                              f"{target.embed_tokens.weight.dtype} on {self.device}")
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if cuda_graphs else None
         self._waiting: deque[Request] = deque()

@@ -22,14 +22,17 @@ from triton import knobs
 from ..kernels import require_kernel_device
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
-# Defaults for few rows on the H200, not yet measured there: 16 pair rows per block (tl.dot's
-# minimum; a decode token brings one row per chosen expert), 64 output columns per program so that
-# one token's experts already make 132+ programs (Moonlight: 6 x 1408/64 for gate_up, Kimi K2:
-# 8 x 2048/64), 128-deep K steps. Compiled for sm_90 they use 128 / 70 registers, no spills, and
-# pipelined loads (tests/models/test_fused_moe_compile.py).
+# Tiles measured on the H200 (benchmarks/moe_paths.py, results/moe_paths-nvidia-h200.md), six
+# shapes from 1 to 128 tokens at Moonlight's and Kimi K2's widths. 128 output columns x 64-deep K
+# steps was fastest, or within 2% of it, wherever the gate_up launch has at least ~one program per
+# SM; below that (a decode token: Moonlight 6 experts x 1408 / 128 = 66 programs) 64 x 128 was up to
+# 18% faster (tiles_for). BLOCK_M follows the rows each expert gets (block_m_for): 16, tl.dot's
+# minimum, while a block would be mostly padding.
 BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_K = 128
+BLOCK_N = 128
+BLOCK_K = 64
+NARROW_TILES = (64, 128)  # (BLOCK_N, BLOCK_K) when the gate_up launch would leave SMs idle
+MIN_PROGRAMS = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
@@ -128,6 +131,16 @@ def _sum_choices_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per expert block: the mean pairs per expert rounded up to a power of two, in [16, 64]."""
+    return min(64, max(BLOCK_M, triton.next_power_of_2(max(1, -(-num_pairs // num_experts)))))
+
+
+def tiles_for(num_pairs: int, inter: int) -> tuple[int, int]:
+    """(block_n, block_k): the wide tile unless its gate_up launch has under MIN_PROGRAMS programs."""
+    return (BLOCK_N, BLOCK_K) if num_pairs * triton.cdiv(inter, BLOCK_N) >= MIN_PROGRAMS else NARROW_TILES
+
+
 @dataclass
 class Workspace:
     """The buffers fused_moe fills before its output (P = T * k pairs); pass one to keep them
@@ -140,8 +153,9 @@ class Workspace:
 
     @classmethod
     def empty(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
-              dtype: torch.dtype, device: torch.device | str, block_m: int = BLOCK_M) -> Workspace:
+              dtype: torch.dtype, device: torch.device | str, block_m: int | None = None) -> Workspace:
         pairs = num_tokens * top_k
+        block_m = block_m or block_m_for(pairs, num_experts)
         blocks = max_blocks(pairs, num_experts, block_m)
         return cls(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
                    torch.empty(blocks, dtype=torch.int32, device=device),
@@ -187,9 +201,9 @@ def fused_moe(
     *,
     out: torch.Tensor | None = None,
     workspace: Workspace | None = None,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
-    block_k: int = BLOCK_K,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]).
 
@@ -202,11 +216,15 @@ def fused_moe(
                 would read them back; a pair outside is dropped and its out row left undefined).
     out:        optional x.dtype [T, hidden] contiguous buffer for the result.
     workspace:  optional Workspace.empty(T, k, E, hidden, inter, x.dtype, x.device, block_m).
-    block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests.
+    block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
+                block_m_for(T * k, E) and tiles_for(T * k, inter).
     Returns out: x.dtype [T, hidden]; expert outputs are summed over the k choices in float32 in
     choice order, then cast once.
     """
     _check(x, w_gate_up, w_down, weights, ids)
+    block_m = block_m or block_m_for(ids.numel(), w_down.shape[0])
+    wide_n, wide_k = tiles_for(ids.numel(), w_down.shape[1])
+    block_n, block_k = block_n or wide_n, block_k or wide_k
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")

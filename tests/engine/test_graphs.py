@@ -38,7 +38,7 @@ def test_graphed_rounds_equal_eager_rounds(tmp_path):
     target_dir, drafter_dir, _ = make_pair(tmp_path)
     batch = prompts(6, 96, seed=8)
     kwargs = dict(device="cuda", dtype=dtype, page_size=16, max_batch=8, stop_token_ids=())
-    eager = Engine.from_pretrained(target_dir, drafter_dir, **kwargs)
+    eager = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=False, **kwargs)
     graphed = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=True, **kwargs)
     for mode, budget, temperature in [("ar", 1, 0.0), ("chain", 1, 0.0), ("ddtree", 16, 0.0), ("ddtree", 16, 1.0)]:
         seeds = list(range(len(batch)))
@@ -55,7 +55,7 @@ def test_requests_joining_and_leaving_a_graphed_batch(tmp_path):
     """Continuous batching over graphs: slots fill and empty between replays of the same bucket."""
     target_dir, drafter_dir, _ = make_pair(tmp_path)
     kwargs = dict(device="cuda", dtype=torch.bfloat16, page_size=16, max_batch=4, stop_token_ids=())
-    eager = Engine.from_pretrained(target_dir, drafter_dir, **kwargs)
+    eager = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=False, **kwargs)
     graphed = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=True, **kwargs)
     batch = prompts(10, 96, seed=3)
     lengths = [8 + 5 * (i % 4) for i in range(len(batch))]  # requests finish at different rounds

@@ -37,15 +37,17 @@ class Engine(OfflineGeneration):
     def __init__(self, target: Target, drafter: Drafter | None = None, tokenizer=None, *, max_batch: int = 32,
                  max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
                  max_budget: int = 256, prefill_chunk: int = 512, prefill_form: str = "expanded",
-                 stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool = False,
+                 stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool | None = None,
                  overlap: bool = True):
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
         max_budget: the largest tree budget a request may ask for; prefill_chunk: prompt rows per
         request per prefill forward; prefill_form: its attention (engine/prefill.py's PREFILL_FORMS).
-        cuda_graphs: replay each round shape from a CUDA graph (engine/graphs.py; CUDA only). Off by
-        default until the graphed rounds are measured on the H200.
+        cuda_graphs: replay each round shape from a CUDA graph (engine/graphs.py). None (default):
+        on for a bf16 model on CUDA, off otherwise; True: required (an error where it cannot be);
+        False: eager rounds, for debugging. On the H200 a graphed round ran 5-20x faster than an
+        eager one (benchmarks/results/engine_round-moonlight-16b-a3b-nvidia-h200.md).
         overlap: read a round's committed tokens back while the next round runs (engine/inflight.py):
         a step returns what the previous round committed. False: each step waits for its own round.
         The engine freezes the models it is given (requires_grad False on every weight)."""
@@ -83,7 +85,9 @@ class Engine(OfflineGeneration):
         self.timer = StageTimer(self.device, time_stages)
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
-        if cuda_graphs and (self.device.type != "cuda" or target.embed_tokens.weight.dtype != torch.bfloat16):
+        capturable = self.device.type == "cuda" and target.embed_tokens.weight.dtype == torch.bfloat16
+        cuda_graphs = capturable if cuda_graphs is None else cuda_graphs
+        if cuda_graphs and not capturable:
             # torch._grouped_mm runs natively in bf16 only; its float32 / fp16 fallback copies to
             # the host, which a graph cannot hold (found on the H200)
             raise ValueError(f"cuda_graphs needs a bf16 model on a CUDA device, got "

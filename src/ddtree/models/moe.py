@@ -55,7 +55,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] float32
+        logits = self._logits(x)  # [T, E] float32
         if not self._use_fused(logits):
             return self._reference(logits)
         return fused_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
@@ -65,6 +65,17 @@ class Router(nn.Module):
 
     def _use_fused(self, logits: torch.Tensor) -> bool:
         return use_kernel(self.fused, "Router.fused", logits)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> float32 [T, E]. On CUDA, 16-bit x and weight go through one GEMM with a
+        float32 output: products of 16-bit values are exact in float32, so it is the float32 GEMM
+        up to summation order, without the two casting copies per layer (1/3 of the router's time
+        in the H200 profile)."""
+        w = self.weight
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+        if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and not needs_grad:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), w.float())
 
     def _reference(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits float32 [T, E] -> (weights float32 [T, k], ids int64 [T, k])."""

@@ -97,9 +97,17 @@ def main() -> None:
     rows = []
     for name in args.configs:
         layer = moe_layer(name)
-        rows += time_layer(name, layer, args.tokens, ceilings, tiles)
+        for tokens in args.tokens:  # written after every count: a run cut short keeps what it measured
+            rows += time_layer(name, layer, [tokens], ceilings, tiles)
+            path = write_results("moe_paths", {"environment": environment(), "ceilings": ceilings,
+                                               "tiles": [tile_name(t) for t in tiles], "rows": rows},
+                                 report(rows, tiles, ceilings), args.out)
         del layer
         torch.cuda.empty_cache()
+    print(path.read_text())
+
+
+def report(rows: list[dict], tiles, ceilings: dict) -> str:
     tile_names = [tile_name(t) for t in tiles]
     table = markdown_table(
         ["config", "tokens", "experts touched", "floor (us)", "grouped (us)", *[f"fused {t} (us)" for t in tile_names],
@@ -107,13 +115,11 @@ def main() -> None:
         [[r["config"], r["tokens"], r["experts_touched"], f"{r['floor_us']:.1f}", f"{r['grouped_us']:.1f}",
           *[f"{r[f'fused_{t}_us']:.1f}" for t in tile_names], f"{r['grouped_over_best_fused']:.2f}",
           f"{r['best_fused_us'] / r['floor_us']:.2f}"] for r in rows])
-    header = (f"One routed-expert layer (shared expert left out, router excluded), random bf16 weights; tiles are "
-              f"BLOCK_M x BLOCK_N x BLOCK_K, auto is fused_moe's own choice (block_m_for, tiles_for). MoE takes the fused path automatically at <= {FUSED_MAX_TOKENS} tokens. "
-              f"Measured ceilings: copy {ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul "
-              f"{ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n")
-    payload = {"environment": environment(), "ceilings": ceilings, "tiles": tile_names, "rows": rows}
-    print(header + table)
-    print("wrote", write_results("moe_paths", payload, header + table, args.out), flush=True)
+    return (f"One routed-expert layer (shared expert left out, router excluded), random bf16 weights; tiles are "
+            f"BLOCK_M x BLOCK_N x BLOCK_K, auto is fused_moe's own choice (block_m_for, tiles_for). MoE takes the "
+            f"fused path automatically at <= {FUSED_MAX_TOKENS} tokens. Measured ceilings: copy "
+            f"{ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n"
+            + table)
 
 
 if __name__ == "__main__":

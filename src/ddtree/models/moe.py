@@ -96,10 +96,10 @@ class Router(nn.Module):
 
 # At or below this many tokens (and moe_align.MAX_PAIRS token-choice pairs) a CUDA forward runs the
 # fused Triton kernels (fused_moe.py), above it the grouped GEMMs. On the H200 the fused path was
-# 1.4-2.8x faster than the grouped GEMMs at every measured count from 1 to 128 tokens, at
-# Moonlight's and Kimi K2's widths (benchmarks/moe_paths.py); 1024 covers a budget-64 verify of 8
-# requests (520 rows) and a 512-token prefill chunk.
-FUSED_MAX_TOKENS = 1024
+# faster at every count measured (benchmarks/results/moe_paths-nvidia-h200.md): 2.8x at 1 token,
+# 1.7x at 65 and 1.25x at 520 (Moonlight's layer); 1.4x to 2.1x at 1 to 128 tokens and 1.23x at 520
+# (Kimi K2's). 520 rows is a budget-64 verify of 8 requests, the largest count measured.
+FUSED_MAX_TOKENS = 520
 
 
 class MoE(nn.Module):

@@ -75,3 +75,10 @@ def test_python_dash_m_runs_the_same_command(pair):
     bad = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--target", "/nonexistent", "--mode", "ar", "x"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and bad.stderr.strip() == "ddtree: error: no config.json in /nonexistent"
+
+
+@pytest.mark.parametrize("flag,want", [([], None), (["--cuda-graphs"], True), (["--no-cuda-graphs"], False)])
+def test_cuda_graphs_flag_defaults_to_the_engine_choice(flag, want):
+    from ddtree.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "hi", *flag]).cuda_graphs is want

@@ -17,6 +17,11 @@ def test_graph_key_limit_rounds_up_to_a_power_of_two_within_the_capacity():
     assert graph_key_limit(3000, 3100) == 3100  # never past the drafter cache
 
 
+def test_a_default_cpu_engine_runs_eagerly(tmp_path):
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    assert Engine.from_pretrained(target_dir, drafter_dir, device="cpu").graphs is None
+
+
 def test_cuda_graphs_refuse_a_cpu_engine(tmp_path):
     target_dir, drafter_dir, _ = make_pair(tmp_path)
     with pytest.raises(ValueError, match="cuda_graphs needs a bf16 model on a CUDA device"):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ddtree.models import TargetConfig
 from ddtree.models import moe as moe_module
-from ddtree.models.fused_moe import Workspace, fused_moe
+from ddtree.models.fused_moe import BLOCK_K, BLOCK_N, NARROW_TILES, Workspace, block_m_for, fused_moe, tiles_for
 from ddtree.models.moe import MoE
 from ddtree.models.moe_align import NO_EXPERT, align_by_expert, max_blocks
 
@@ -117,6 +117,10 @@ CASES = {
     "same_experts": Case(20, 2, 5, 32, 16, route="same", seed=3),
     "every_expert": Case(6, 4, 11, 40, 24, route="all", seed=4),
     "unused_experts": Case(5, 2, 9, 40, 24, route="few", seed=5),
+    # Enough pairs for the wide default tile (128 x 64) and a larger block_m (block_m_for):
+    "block_m_64": Case(40, 2, 2, 72, 150, seed=9),  # 40 pairs per expert; two N tiles, the second masked
+    "block_m_64_all": Case(70, 3, 4, 200, 260, route="all", seed=10),  # four K steps, the last masked
+    "block_m_32": Case(33, 2, 3, 136, 136, seed=11),  # 22 pairs per expert
 }
 
 
@@ -162,6 +166,14 @@ def test_fused_moe_matches_float64_reference(name, dtype, kernel_device):
     fused_moe(x, w_gate_up, w_down, weights, ids, out=out, workspace=ws)
     assert not torch.isnan(ws.h).any() and not torch.isnan(ws.y).any(), "a (token, choice) row was not written"
     assert_close(out, moe_reference(x.cpu(), w_gate_up.cpu(), w_down.cpu(), weights.cpu(), ids.cpu()), TOL[dtype])
+
+
+def test_tile_choice():
+    """Narrow tiles while the gate_up launch would leave SMs idle; block_m from pairs per expert."""
+    assert tiles_for(6, 1408) == NARROW_TILES  # a Moonlight decode token: 6 x 11 programs
+    assert tiles_for(8, 2048) == (BLOCK_N, BLOCK_K)  # a Kimi K2 decode token: 8 x 16 = 128
+    assert [block_m_for(p, 64) for p in (6, 390, 1100, 3120, 8000)] == [16, 16, 32, 64, 64]
+    assert block_m_for(4160, 384) == 16
 
 
 def test_small_tiles_and_fp16(kernel_device):

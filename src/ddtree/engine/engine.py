@@ -45,9 +45,10 @@ class Engine(OfflineGeneration):
         max_budget: the largest tree budget a request may ask for; prefill_chunk: prompt rows per
         request per prefill forward; prefill_form: its attention (engine/prefill.py's PREFILL_FORMS).
         cuda_graphs: replay each round shape from a CUDA graph (engine/graphs.py). None (default):
-        on for a bf16 model on CUDA, off otherwise; True: required (an error where it cannot be);
-        False: eager rounds, for debugging. On the H200 a graphed round ran 5-20x faster than an
-        eager one (benchmarks/results/engine_round-moonlight-16b-a3b-nvidia-h200.md).
+        on for a bf16 model on a Hopper or Blackwell GPU, off otherwise; True: required (an error
+        off CUDA or off bf16); False: eager rounds, for debugging. On the H200 a graphed round ran
+        1.2x (B = 32, budget 64) to 10x (ar, B = 1) faster than an eager one
+        (benchmarks/results/engine_round-moonlight-16b-a3b-nvidia-h200.md).
         overlap: read a round's committed tokens back while the next round runs (engine/inflight.py):
         a step returns what the previous round committed. False: each step waits for its own round.
         The engine freezes the models it is given (requires_grad False on every weight)."""
@@ -86,7 +87,8 @@ class Engine(OfflineGeneration):
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
         capturable = self.device.type == "cuda" and target.embed_tokens.weight.dtype == torch.bfloat16
-        cuda_graphs = capturable if cuda_graphs is None else cuda_graphs
+        if cuda_graphs is None:  # bf16 torch._grouped_mm runs on the device only on sm90 / sm100
+            cuda_graphs = capturable and torch.cuda.get_device_capability(self.device)[0] in (9, 10)
         if cuda_graphs and not capturable:
             # torch._grouped_mm runs natively in bf16 only; its float32 / fp16 fallback copies to
             # the host, which a graph cannot hold (found on the H200)

@@ -155,7 +155,7 @@ class Workspace:
     def empty(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
               dtype: torch.dtype, device: torch.device | str, block_m: int | None = None) -> Workspace:
         pairs = num_tokens * top_k
-        block_m = block_m or block_m_for(pairs, num_experts)
+        block_m = block_m_for(pairs, num_experts) if block_m is None else block_m
         blocks = max_blocks(pairs, num_experts, block_m)
         return cls(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
                    torch.empty(blocks, dtype=torch.int32, device=device),
@@ -222,9 +222,11 @@ def fused_moe(
     choice order, then cast once.
     """
     _check(x, w_gate_up, w_down, weights, ids)
-    block_m = block_m or block_m_for(ids.numel(), w_down.shape[0])
+    if block_m is None:
+        block_m = block_m_for(ids.numel(), w_down.shape[0])
     wide_n, wide_k = tiles_for(ids.numel(), w_down.shape[1])
-    block_n, block_k = block_n or wide_n, block_k or wide_k
+    block_n = wide_n if block_n is None else block_n
+    block_k = wide_k if block_k is None else block_k
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")

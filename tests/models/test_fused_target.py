@@ -88,3 +88,27 @@ def test_joint_projection_keeps_names_and_values():
         separate = split.project(x.double())
     for j, s in zip(joint, separate):
         torch.testing.assert_close(j.double(), s, rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_gate_and_up_read_the_input_with_one_gemm():
+    """The loader's target joins every MLP's gate and up weights (dense layers, shared experts):
+    same state_dict; under no_grad one joint view, equal to two GEMMs; split again by .to()."""
+    from ddtree.models import joint
+    from ddtree.models.moe import MoE
+
+    model = random_target(tiny(20, True), dtype=torch.float32, std=0.1)
+    mlps = [layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp for layer in model.layers]
+    assert len(mlps) == 2 and not isinstance(model.layers[0].mlp, MoE)  # one dense MLP, one shared expert
+    x = torch.randn(3, 48)
+    for mlp in mlps:
+        assert joint.joint_weight(mlp.gate_proj, mlp.up_proj) is None  # autograd on: two GEMMs
+        with torch.no_grad():
+            assert joint.joint_weight(mlp.gate_proj, mlp.up_proj) is not None
+            one = mlp(x)
+            two = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        torch.testing.assert_close(one, two, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        want = mlps[0](x)
+        dense = model.to(torch.float64).layers[0].mlp  # .to() converts in place: a new buffer per weight
+        assert joint.joint_weight(dense.gate_proj, dense.up_proj) is None
+        torch.testing.assert_close(dense(x.double()).float(), want, rtol=1e-5, atol=1e-5)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_kernel
+from . import joint
 from .config import TargetConfig
 from .fused_moe import DTYPES as FUSED_DTYPES
 from .fused_moe import fused_moe
@@ -23,8 +24,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+    def fuse_input_projections(self) -> None:
+        """gate_proj and up_proj in one buffer (joint.join): one GEMM reads the input."""
+        joint.join(self.gate_proj, self.up_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = joint.both(self.gate_proj, self.up_proj, x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_kernel
+from . import joint
 from .config import TargetConfig
 from .moe import MLP, MoE
 from .norm import RMSNorm
@@ -59,37 +60,19 @@ class MLA(nn.Module):
         return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa
 
     def fuse_input_projections(self) -> None:
-        """Store both input projections' weights in one buffer (parameter names, shapes and
-        state_dict unchanged; values kept), so that a forward reads the input with one GEMM.
-        The loader calls it; a later .to() or reassignment splits them again and the forward
-        falls back to two GEMMs."""
-        first, second = self._input_projections()
-        joint = torch.cat([first.weight.detach(), second.weight.detach()])
-        first.weight = nn.Parameter(joint[: first.weight.shape[0]], requires_grad=first.weight.requires_grad)
-        second.weight = nn.Parameter(joint[first.weight.shape[0] :], requires_grad=second.weight.requires_grad)
+        """Both input projections in one buffer (joint.join), so a forward reads the input with
+        one GEMM. The loader calls it."""
+        joint.join(*self._input_projections())
 
     def _joint_weight(self) -> torch.Tensor | None:
-        """[q rows + kv rows, hidden]: both input weights as one view when they are adjacent in
-        memory (fuse_input_projections) and no gradient is wanted (the view feeds only one)."""
-        a, b = (p.weight for p in self._input_projections())
-        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            return None
-        if a.dtype != b.dtype or a.device != b.device or not (a.is_contiguous() and b.is_contiguous()):
-            return None
-        if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
-            return None
-        return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
+        """[q rows + kv rows, hidden] when fuse_input_projections holds and no gradient is wanted."""
+        return joint.joint_weight(*self._input_projections())
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> q [B, T, H, qk_head_dim] (not rotated), kv [B, T, kv_lora_rank + rope]
         (latent before its norm, shared key before rotation)."""
         cfg = self.cfg
-        joint = self._joint_weight()
-        first, second = self._input_projections()
-        if joint is not None:
-            q, kv = F.linear(x, joint).split([first.weight.shape[0], second.weight.shape[0]], dim=-1)
-        else:
-            q, kv = first(x), second(x)
+        q, kv = joint.both(*self._input_projections(), x)
         if cfg.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         return q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim), kv
@@ -258,9 +241,14 @@ class Target(nn.Module):
         return self.lm_head(self.norm(x) if delta is None else self.norm(x, delta)[1]).float(), captured
 
     def fuse_input_projections(self) -> None:
-        """MLA.fuse_input_projections in every layer (the loader calls it)."""
+        """One GEMM for the inputs of every layer's attention (MLA.fuse_input_projections) and of
+        every MLP's gate and up projections (the dense MLPs and the shared experts); the loader
+        calls it before any weight is copied in."""
         for layer in self.layers:
             layer.self_attn.fuse_input_projections()
+            mlp = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
+            if mlp is not None:
+                mlp.fuse_input_projections()
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

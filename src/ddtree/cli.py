@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -82,6 +83,8 @@ def generate(args) -> None:
 
     from .engine import Engine, SamplingParams
 
+    _log_engine_events()
+
     engine = Engine.from_pretrained(
         args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
@@ -126,6 +129,16 @@ def generate(args) -> None:
                 done.add(out.request_id)
         show()
     show()
+
+
+def _log_engine_events() -> None:
+    """The engine's own progress lines (CUDA-graph captures) to stderr, beside the statistics."""
+    log = logging.getLogger("ddtree.engine")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("ddtree: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,8 +37,20 @@ def test_cuda_graphs_refuse_other_dtypes_than_bf16(tmp_path, dtype):
         Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=dtype, cuda_graphs=True)
 
 
+def test_plan_description_names_its_shape():
+    from ddtree.engine.graphs import describe
+    from ddtree.engine.round import RoundPlan
+
+    plan = RoundPlan(bucket=8, budget=64, k=64, any_sampled=True, any_filtered=False, key_limit=1024, features=True,
+                     experts=True)
+    assert describe(plan) == "batch 8, tree budget 64, drafter keys <= 1024, sampled"
+    assert describe(RoundPlan(bucket=1, budget=0, k=0, any_sampled=False, any_filtered=False, key_limit=None,
+                              features=False, experts=False)) == "batch 1, ar"
+
+
 @pytest.mark.cuda
-def test_graphed_rounds_equal_eager_rounds(tmp_path):
+def test_graphed_rounds_equal_eager_rounds(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ddtree.engine")
     dtype = torch.bfloat16
     target_dir, drafter_dir, _ = make_pair(tmp_path)
     batch = prompts(6, 96, seed=8)
@@ -52,6 +64,7 @@ def test_graphed_rounds_equal_eager_rounds(tmp_path):
         assert [o.token_ids for o in got] == [o.token_ids for o in want], (mode, budget, temperature)
         assert [o.stats.acceptance_lengths for o in got] == [o.stats.acceptance_lengths for o in want]
     assert graphed.graphs.captures >= 4 and graphed.graphs.replays > graphed.graphs.captures
+    assert sum("captured CUDA graph" in r.message for r in caplog.records) == graphed.graphs.captures
     assert graphed.blocks.num_free == graphed.blocks.num_pages
 
 

@@ -15,12 +15,16 @@ next replay of any graph, since all graphs share one memory pool.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
 import torch
 
 from .batch import BatchState
 from .round import RoundContext, RoundPlan, run_round
 from .timing import StageTimer
+
+log = logging.getLogger("ddtree.engine")
 
 
 def graph_key_limit(key_limit: int | None, capacity: int) -> int | None:
@@ -71,10 +75,21 @@ class RoundGraphs:
         return result
 
     def _capture(self, plan: RoundPlan) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()  # the eager rounds before must be done: capture uses a side stream
         with torch.cuda.graph(graph, pool=self.pool):
             result = run_round(self.ctx, self.state, plan, self.max_depth, self._idle_timer)
         self._graphs[plan] = (graph, result)
         self.captures += 1
+        log.info("captured CUDA graph %d of at most %d in %.0f ms: %s", self.captures, self.max_graphs,
+                 (time.perf_counter() - start) * 1e3, describe(plan))
         return graph, result
+
+
+def describe(plan: RoundPlan) -> str:
+    """One line naming a plan's shape, for the capture log."""
+    mode = "ar" if plan.budget == 0 else f"tree budget {plan.budget}"
+    extras = [s for s, on in (("sampled", plan.any_sampled), ("top-k/top-p", plan.any_filtered)) if on]
+    keys = "" if plan.key_limit is None else f", drafter keys <= {plan.key_limit}"
+    return f"batch {plan.bucket}, {mode}{keys}" + "".join(f", {e}" for e in extras)

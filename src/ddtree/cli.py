@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--page-size", type=_positive(int), default=64)
     gen.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
     gen.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; --no-cuda-graphs to debug)")
+                     help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
+                          "--no-cuda-graphs to debug)")
     from .server.command import add_serve_command
 
     add_serve_command(commands)

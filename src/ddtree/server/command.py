@@ -51,7 +51,8 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; --no-cuda-graphs to debug)")
+                     help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
+                          "--no-cuda-graphs to debug)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 

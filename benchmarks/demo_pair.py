@@ -173,7 +173,7 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()]
     payload = {"environment": environment(), "device": str(engine.device), "dtype": str(engine.target.embed_tokens.weight.dtype),
                "pair": {"target": str(args.target or "demo"), "drafter": str(args.drafter or "demo")},
-               "max_new_tokens": args.max_new_tokens}
+               "max_new_tokens": args.max_new_tokens, "cuda_graphs": engine.graphs is not None}
     if args.heldout is not None:
         payload["perplexity"] = perplexity(engine, args.heldout, args.perplexity_tokens, 1024)
         print(f"held-out perplexity {payload['perplexity']['perplexity']:.3f} over {payload['perplexity']['tokens']:,} tokens")
@@ -192,6 +192,7 @@ def main() -> None:
         table += markdown_table(["temperature", "mode", "budget", "mean acceptance length", "equal to ar",
                                  "median first divergence"], rows) + "\n\n"
     if payload["speed"]:
+        table += f"Speed rows: rounds {'replayed from CUDA graphs' if engine.graphs is not None else 'eager'}.\n\n"
         table += markdown_table(["mode (batch 1)", "budget", "tokens/s", "speedup vs ar", "acceptance length"],
                                 [[r["mode"], r["budget"] or "-", f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}x",
                                   f"{r['mean_acceptance_length']:.2f}"] for r in payload["speed"]])

@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 pytest.importorskip("transformers")
 
-from ddtree.models import Drafter, DrafterConfig, load_drafter, load_target  # noqa: E402
+from ddtree.models import Drafter, DrafterConfig, joint, load_drafter, load_target  # noqa: E402
 
 from .checkpoints import save_tiny, tiny_config  # noqa: E402
 
@@ -99,6 +99,14 @@ def test_load_and_pair_checks(tmp_path):
     assert loaded.fc.weight.dtype == torch.float32 and loaded.fc.weight.device == target.lm_head.weight.device
     for k, v in m.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+    for layer in loaded.layers:  # the loader joined every MLP's gate and up weights
+        assert joint.joint_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is None  # autograd on: two GEMMs
+        with torch.no_grad():
+            assert joint.joint_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is not None
+    with torch.no_grad():  # one GEMM (loaded) against two (m): same drafted hidden states
+        feats, block = torch.randn(1, 5, 128), torch.randn(1, 4, 64)
+        got, want = (d(block, _context(d, feats)) for d in (loaded, m))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for change, match in [
         ({"hidden_size": 48}, "hidden_size 48 != target hidden_size 64"),
         ({"vocab_size": 100}, "vocab_size 100 != target vocab_size 96"),
@@ -112,6 +120,13 @@ def test_load_and_pair_checks(tmp_path):
     (drafter_dir / "config.json").write_text(json.dumps({k: v for k, v in RAW.items() if k != "dflash_config"}))
     with pytest.raises(ValueError, match="target_layer_ids"):
         load_drafter(drafter_dir, target)
+
+
+def _context(m: Drafter, feats: torch.Tensor):
+    """A cache of capacity 16 holding the context features [B, C, 128]."""
+    cache = m.new_cache(feats.shape[0], 16)
+    m.append_context(cache, feats, torch.full((feats.shape[0],), feats.shape[1]))
+    return cache
 
 
 def test_context_capacity_is_checked():

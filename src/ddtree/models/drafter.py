@@ -155,6 +155,12 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def fuse_input_projections(self) -> None:
+        """Every layer's MLP gate and up weights in one buffer (MLP.fuse_input_projections), so
+        inference reads its input with one GEMM; load_drafter calls it before any weight is copied in."""
+        for layer in self.layers:
+            layer.mlp.fuse_input_projections()
+
     def new_cache(self, batch: int, capacity: int, device=None, dtype=None) -> DrafterCache:
         w = self.fc.weight
         shape = (batch, capacity, self.cfg.num_key_value_heads, self.cfg.head_dim)

@@ -143,6 +143,7 @@ def load_drafter(
     with torch.device("meta"):
         model = Drafter(cfg)
     model = _materialize(model, dtype, device)
+    model.fuse_input_projections()  # before any weight is copied in: one GEMM for each MLP's gate and up
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     shared = ("embed_tokens.weight", "lm_head.weight")  # the drafter uses the target's

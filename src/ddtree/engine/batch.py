@@ -83,6 +83,10 @@ class BatchState:
         if self.drafter is not None:
             self.drafter.lengths[slot] = 0
 
+    def taking_part(self, bucket: int) -> torch.Tensor:
+        """bool [bucket]: slots a round advances, active with tokens remaining."""
+        return self.active[:bucket] & (self.remaining[:bucket] > 0)
+
     def drafter_view(self, bucket: int) -> DrafterCache:
         """The first `bucket` slots of the drafter context (views: appends write through)."""
         d = self.drafter

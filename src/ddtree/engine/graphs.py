@@ -50,10 +50,14 @@ class RoundGraphs:
         self._graphs: dict[RoundPlan, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._seen: set[RoundPlan] = set()
         self._idle_timer = StageTimer(state.device, enabled=False)
-        self.captures = 0
         self.replays = 0
 
     def __len__(self) -> int:
+        return len(self._graphs)
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (each plan once; none is dropped)."""
         return len(self._graphs)
 
     def run(self, plan: RoundPlan, timer: StageTimer) -> torch.Tensor:
@@ -81,7 +85,6 @@ class RoundGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             result = run_round(self.ctx, self.state, plan, self.max_depth, self._idle_timer)
         self._graphs[plan] = (graph, result)
-        self.captures += 1
         log.info("captured CUDA graph %d of at most %d in %.0f ms: %s", self.captures, self.max_graphs,
                  (time.perf_counter() - start) * 1e3, describe(plan))
         return graph, result

@@ -103,7 +103,7 @@ def run_round(ctx: RoundContext, state: BatchState, plan: RoundPlan, max_depth: 
 
 def _ar_step(ctx, state, plan, max_depth, timer):
     s = slice(0, plan.bucket)
-    active = state.active[s] & (state.remaining[s] > 0)
+    active = state.taking_part(plan.bucket)
     ids = state.bonus[s, None]
     positions = state.prefix_lens[s].long()[:, None]
     num_rows = active.int()
@@ -126,7 +126,7 @@ def _ar_step(ctx, state, plan, max_depth, timer):
 
 def _tree_round(ctx, state, plan, max_depth, timer):
     s = slice(0, plan.bucket)
-    active, bonus = state.active[s] & (state.remaining[s] > 0), state.bonus[s]
+    active, bonus = state.taking_part(plan.bucket), state.bonus[s]
     cache = state.drafter_view(plan.bucket)
     draft = ctx.drafter.draft_logits(ctx.target, bonus, cache, plan.key_limit)  # [B, D, V]
     timer.mark("draft")

@@ -5,7 +5,7 @@
     _latent_entry_kernel  cache[slot[t]] = [RMSNorm(latent[t]), rotate(k_rope[t])]: norm, rotary,
                           concatenation, cast and cache write of one token's entry in one launch
 
-Rounding follows the PyTorch path (MLA.latents, rope.rotate): the rotary products and their sum
+Rounding follows the PyTorch path (MLA.rotated, rope.rotate): the rotary products and their sum
 are each rounded to the activation dtype, the norm as in fused_norm.py. Grids depend on the
 shapes only: CUDA-graph capturable.
 """

@@ -113,7 +113,8 @@ class MoE(nn.Module):
 
     - grouped: pairs sorted by expert for two grouped GEMMs (no per-token or per-expert Python
       loop, no host sync: expert offsets stay on the device). The reference, the path for more than
-      FUSED_MAX_TOKENS rows (large batches of trees, long prefill chunks) and for autograd, and the CPU default, so training and CPU tests keep its numerics.
+      FUSED_MAX_TOKENS rows (large batches of trees, long prefill chunks) and for autograd, and the
+      CPU default, so training and CPU tests keep its numerics.
     - fused: the Triton kernels of fused_moe.py, which read each touched expert's weights once per
       block of its rows. Taken on CUDA for at most FUSED_MAX_TOKENS tokens when no gradient is needed.
 

@@ -79,8 +79,3 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
     else:
         x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float, interleave: bool) -> torch.Tensor:
-    """Rotate x [..., T, heads, rope_dim] at integer positions [..., T] (see rotate)."""
-    return rotate(x, *rotary_cos_sin(positions, inv_freq, factor, x.dtype), interleave)

@@ -64,10 +64,6 @@ class MLA(nn.Module):
         one GEMM. The loader calls it."""
         joint.join(*self._input_projections())
 
-    def _joint_weight(self) -> torch.Tensor | None:
-        """[q rows + kv rows, hidden] when fuse_input_projections holds and no gradient is wanted."""
-        return joint.joint_weight(*self._input_projections())
-
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> q [B, T, H, qk_head_dim] (not rotated), kv [B, T, kv_lora_rank + rope]
         (latent before its norm, shared key before rotation)."""

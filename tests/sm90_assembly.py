@@ -1,28 +1,46 @@
-"""Assemble a Triton-compiled kernel for sm_90a with Triton's own ptxas and read it back: the
-register and spill report and the SASS that the compile tests (no GPU needed) inspect."""
+"""Compile tests (no GPU needed): assemble a Triton-compiled kernel for sm_90a with Triton's own
+ptxas and read it back, and run a report builder in a fresh interpreter."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-import triton
+import pytest
 
-NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def assemble(compiled) -> dict:
     """compiled: triton.compile's result for a cuda sm_90 target -> {"registers", "spill_bytes",
     "sass"}: registers per thread and spilled bytes from `ptxas -v`, SASS from cuobjdump."""
+    import triton  # a Linux-only dependency: imported when a kernel is assembled
+
+    nvidia_bin = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
         ptx.write_text(compiled.asm["ptx"])
-        info = subprocess.run([str(NVIDIA_BIN / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)],
+        info = subprocess.run([str(nvidia_bin / "ptxas"), "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)],
                               capture_output=True, text=True, check=True).stderr
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", str(cubin)],
+        sass = subprocess.run([str(nvidia_bin / "cuobjdump"), "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
     return {"registers": int(re.search(r"Used (\d+) registers", info)[1]),
             "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)), "sass": sass}
+
+
+def compiled_in_fresh_interpreter(code: str):
+    """Run `code` (Python that prints one JSON value last) in a fresh interpreter from the repo
+    root without TRITON_INTERPRET: under it Triton's library functions (tl.sort, gl.max's combine)
+    are interpreter objects that the compiler refuses. Returns the parsed value; a failure fails
+    the calling test with the child's stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        pytest.fail(done.stderr[-3000:])
+    return json.loads(done.stdout.splitlines()[-1])

@@ -1,29 +1,19 @@
 """The Gluon Hopper kernel, compiled for sm_90 here (no GPU needed): it fits one multiprocessor
 and does each tile's tensor-core work once (the reason it exists beside the Triton kernel)."""
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA toolchain ships for Linux")
+from ..sm90_assembly import compiled_in_fresh_interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA toolchain ships for Linux")
 
 
 def _report(page_rows: int, epilogue: int) -> dict:
-    # A fresh interpreter without TRITON_INTERPRET: under it Triton's library functions (gl.max's
-    # combine) are interpreter objects that the compiler refuses.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import json; from tests.attention.hopper_compile import compile_report; "
-            f"r = compile_report({page_rows}, {epilogue}); r.pop('ttgir'); print(json.dumps(r))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        pytest.fail(done.stderr[-3000:])
-    return json.loads(done.stdout.splitlines()[-1])
+    return compiled_in_fresh_interpreter(
+        "import json; from tests.attention.hopper_compile import compile_report; "
+        f"r = compile_report({page_rows}, {epilogue}); r.pop('ttgir'); print(json.dumps(r))")
 
 
 @pytest.mark.parametrize("page_rows,epilogue", [(64, 2), (16, 1), (64, 0)])

@@ -52,3 +52,18 @@ def save_tiny_v2(tmp_path, seed=0):
                 p.normal_(0, 0.5)  # transformers starts the router at zero: make routing matter
     model.save_pretrained(tmp_path)
     return model
+
+
+def tiny_float32_target(tmp_path_factory):
+    """The tiny checkpoint (tiny_config) saved, then loaded as a float32 ddtree Target."""
+    from ddtree.models import load_target
+
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny(path, tiny_config())
+    return load_target(path, dtype=torch.float32)
+
+
+def shuffled_block_table(batch: int, pages_each: int, seed: int) -> torch.Tensor:
+    """int32 [batch, pages_each]: distinct pages in shuffled order, 3 pages of the pool unused."""
+    order = torch.randperm(batch * pages_each + 3, generator=torch.Generator().manual_seed(seed))
+    return order[: batch * pages_each].view(batch, pages_each).int()

@@ -1,29 +1,19 @@
 """The fused MoE kernels, compiled for sm_90 here (no GPU needed): the alignment's sort, histogram
 and gather lower for the GPU, and the GEMMs run on tensor cores with pipelined loads and no spills."""
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA toolchain ships for Linux")
+from ..sm90_assembly import compiled_in_fresh_interpreter
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA toolchain ships for Linux")
 
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
-    # A fresh interpreter without TRITON_INTERPRET: under it Triton's library functions (tl.sort)
-    # are interpreter objects that the compiler refuses.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import json; from tests.models.fused_moe_compile import all_reports; print(json.dumps(all_reports()))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        pytest.fail(done.stderr[-3000:])
-    return json.loads(done.stdout.splitlines()[-1])
+    return compiled_in_fresh_interpreter(
+        "import json; from tests.models.fused_moe_compile import all_reports; print(json.dumps(all_reports()))")
 
 
 def test_no_kernel_spills(reports):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.models import TargetConfig, random_target
+from ddtree.models import TargetConfig, joint, random_target
 from ddtree.models.norm import RMSNorm
 from ddtree.models.paged import ForwardMeta
 from ddtree.models.target import MLA, Target
@@ -35,6 +35,11 @@ def chain_meta(prefix: list[int], n: int, num_rows: list[int]) -> ForwardMeta:
                              page_size=PAGE, scratch_page=6)
 
 
+def input_joint(attn: MLA):
+    """The joint q / kv_a weight view an MLA's forward would use, or None."""
+    return joint.joint_weight(*attn._input_projections())
+
+
 def forward(model, ids, meta, caches, fused: bool, monkeypatch):
     monkeypatch.setattr(RMSNorm, "fused", fused)
     monkeypatch.setattr(MLA, "fused", fused)
@@ -47,7 +52,7 @@ def forward(model, ids, meta, caches, fused: bool, monkeypatch):
 def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, monkeypatch, kernel_device):
     model = random_target(tiny(q_lora_rank, interleave), dtype=dtype, std=0.1, device=kernel_device)
     with torch.no_grad():  # with autograd on, each weight keeps its own GEMM
-        assert model.layers[0].self_attn._joint_weight() is not None, "the loader's joint input projection is not in use"
+        assert input_joint(model.layers[0].self_attn) is not None, "the loader's joint input projection is not in use"
     gen = torch.Generator().manual_seed(0)
     caches = model.new_cache(6, PAGE)
     on = lambda meta: ForwardMeta(**{k: v.to(kernel_device) for k, v in vars(meta).items()})  # noqa: E731
@@ -75,25 +80,24 @@ def test_joint_projection_keeps_names_and_values():
         for param in model.parameters():  # the experts start uninitialized (torch.empty)
             param.normal_(0.0, 0.1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert model.layers[0].self_attn._joint_weight() is None
+    assert input_joint(model.layers[0].self_attn) is None
     model.fuse_input_projections()
-    assert model.layers[0].self_attn._joint_weight() is None  # autograd on: the view would feed one weight only
+    assert input_joint(model.layers[0].self_attn) is None  # autograd on: the view would feed one weight only
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     x = torch.randn(1, 2, 48)
     with torch.no_grad():
-        joint = model.layers[0].self_attn.project(x)
+        together = model.layers[0].self_attn.project(x)
         split = model.to(torch.float64).layers[0].self_attn
-        assert split._joint_weight() is None
+        assert input_joint(split) is None
         separate = split.project(x.double())
-    for j, s in zip(joint, separate):
+    for j, s in zip(together, separate):
         torch.testing.assert_close(j.double(), s, rtol=1e-5, atol=1e-5)
 
 
 def test_mlp_gate_and_up_read_the_input_with_one_gemm():
     """The loader's target joins every MLP's gate and up weights (dense layers, shared experts):
     same state_dict; under no_grad one joint view, equal to two GEMMs; split again by .to()."""
-    from ddtree.models import joint
     from ddtree.models.moe import MoE
 
     model = random_target(tiny(20, True), dtype=torch.float32, std=0.1)

@@ -6,25 +6,17 @@ import torch
 
 pytest.importorskip("transformers")
 
-from ddtree.models import load_target  # noqa: E402
 from ddtree.models.paged import ForwardMeta  # noqa: E402
 from ddtree.tree import build_trees, pack_visibility, topk_logprobs  # noqa: E402
 
-from .checkpoints import save_tiny, tiny_config  # noqa: E402
+from .checkpoints import shuffled_block_table, tiny_config, tiny_float32_target  # noqa: E402
 
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny(path, tiny_config())
-    return load_target(path, dtype=torch.float32)
-
-
-def _block_table(batch: int, pages_each: int, seed: int) -> torch.Tensor:
-    order = torch.randperm(batch * pages_each + 3, generator=torch.Generator().manual_seed(seed))
-    return order[: batch * pages_each].view(batch, pages_each).int()  # shuffled, 3 pages unused
+    return tiny_float32_target(tmp_path_factory)
 
 
 def _chain_meta(block_table, prefix_lens, n, num_rows=None, scratch_page=None):
@@ -43,7 +35,7 @@ def _chain_meta(block_table, prefix_lens, n, num_rows=None, scratch_page=None):
 def test_paged_prefill_then_decode_matches_prefill(target):
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(0))
     want, want_hidden = target(ids, hidden_layers=(1,))
-    bt = _block_table(2, 4, seed=1)
+    bt = shuffled_block_table(2, 4, seed=1)
     caches = target.new_cache(bt.numel() + 3, PAGE)
     got, hidden = target.forward_paged(ids[:, :9], _chain_meta(bt, [0, 0], 9), caches, hidden_layers=(1,))
     torch.testing.assert_close(got, want[:, :9], rtol=1e-4, atol=1e-4)
@@ -61,7 +53,7 @@ def test_tree_verify_equals_per_branch_decoding(target):
     trees = build_trees(lp, tok, 7, backend="reference")
     trees.num_nodes[1] = 4  # request 1 verifies a smaller tree: its rows 5.. are padding
     n = 8  # root + 7 nodes
-    bt = _block_table(2, 4, seed=4)
+    bt = shuffled_block_table(2, 4, seed=4)
     caches = target.new_cache(bt.numel() + 3, PAGE)
     target.forward_paged(prompt[:, :5], _chain_meta(bt, [0, 0], 5), caches)  # commit 5 tokens
     root = prompt[:, 5:6]
@@ -96,7 +88,7 @@ def test_verify_with_the_triton_kernel_matches_prefill_bf16():
     model = random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, device="cuda", std=0.05)
     ids = torch.randint(0, 96, (2, 40), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     want, _ = model(ids)
-    bt = _block_table(2, 12, seed=5).cuda()
+    bt = shuffled_block_table(2, 12, seed=5).cuda()
     caches = model.new_cache(bt.numel() + 3, PAGE)
     meta = _chain_meta(bt.cpu(), [0, 0], 40)
     meta = ForwardMeta(**{k: v.cuda() for k, v in vars(meta).items()})
@@ -116,7 +108,7 @@ def test_tree_verify_forward_captures_in_a_cuda_graph():
 
     raw = json.loads(tiny_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64).to_json_string())
     model = random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, device="cuda", std=0.05)
-    bt = _block_table(2, 8, seed=6).cuda()
+    bt = shuffled_block_table(2, 8, seed=6).cuda()
     caches = model.new_cache(bt.numel() + 3, PAGE)
     meta = _chain_meta(bt.cpu(), [9, 13], 5)
     meta = ForwardMeta(**{k: v.cuda() for k, v in vars(meta).items()})

@@ -8,10 +8,10 @@ from torch.nn.attention.bias import CausalBias
 
 pytest.importorskip("transformers")
 
-from ddtree.models import ForwardMeta, PrefillMeta, load_target  # noqa: E402
+from ddtree.models import ForwardMeta, PrefillMeta  # noqa: E402
 from ddtree.tree import pack_visibility  # noqa: E402
 
-from .checkpoints import save_tiny, tiny_config  # noqa: E402
+from .checkpoints import shuffled_block_table, tiny_config, tiny_float32_target  # noqa: E402
 
 PAGE = 4
 LAYERS = (0, 2)  # hidden features returned, as the drafter's target layers would be
@@ -19,14 +19,7 @@ LAYERS = (0, 2)  # hidden features returned, as the drafter's target layers woul
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny(path, tiny_config())
-    return load_target(path, dtype=torch.float32)
-
-
-def _block_table(batch: int, pages_each: int, seed: int) -> torch.Tensor:
-    order = torch.randperm(batch * pages_each + 3, generator=torch.Generator().manual_seed(seed))
-    return order[: batch * pages_each].view(batch, pages_each).int()  # shuffled, 3 pages unused
+    return tiny_float32_target(tmp_path_factory)
 
 
 def _poisoned_cache(target, block_table):
@@ -51,7 +44,7 @@ def _absorbed_meta(block_table, prefix_lens, num_rows, rows, scratch_page):
 def test_one_request_from_position_0_equals_the_plain_prefill(target):
     ids = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(0))
     want, want_hidden = target(ids, hidden_layers=LAYERS)
-    bt = _block_table(1, 3, seed=1)
+    bt = shuffled_block_table(1, 3, seed=1)
     caches, scratch = _poisoned_cache(target, bt)
     meta = PrefillMeta.build(bt, [0], [11], 11, page_size=PAGE, scratch_page=scratch)
     assert meta.attn_mask is None and meta.key_written is None  # SDPA's is_causal path
@@ -66,7 +59,7 @@ def test_one_request_in_chunks_equals_the_plain_prefill(target):
     """Chunks after the first attend to the prefix in the pages (a lower-right causal mask)."""
     ids = torch.randint(0, 96, (1, 14), generator=torch.Generator().manual_seed(2))
     want, _ = target(ids)
-    bt = _block_table(1, 4, seed=3)
+    bt = shuffled_block_table(1, 4, seed=3)
     caches, scratch = _poisoned_cache(target, bt)
     for start, stop in ((0, 5), (5, 6), (6, 14)):
         meta = PrefillMeta.build(bt, [start], [stop - start], stop - start, page_size=PAGE, scratch_page=scratch)
@@ -90,7 +83,7 @@ def test_chunks_with_mixed_prefixes_equal_the_absorbed_path(target):
     gen = torch.Generator().manual_seed(4)
     final = [p + n for p, n in zip(*SCHEDULE[-1][:2])]  # 15, 13, 13 tokens
     prompts = torch.randint(0, 96, (3, 4 * PAGE), generator=gen)  # room for every padded chunk
-    bt = _block_table(3, 4, seed=5)
+    bt = shuffled_block_table(3, 4, seed=5)
     runs = {}
     for form in ("expanded", "absorbed"):
         caches, scratch = _poisoned_cache(target, bt)
@@ -126,7 +119,7 @@ def test_chunks_with_mixed_prefixes_equal_the_absorbed_path(target):
 
 
 def test_build_refuses_inconsistent_lengths():
-    bt = _block_table(2, 2, seed=6)
+    bt = shuffled_block_table(2, 2, seed=6)
     with pytest.raises(ValueError, match="one entry per request"):
         PrefillMeta.build(bt, [0, 0], [1], 2, page_size=PAGE, scratch_page=7)
     with pytest.raises(ValueError, match="num_rows"):
@@ -146,7 +139,7 @@ def test_chunked_prefill_on_cuda_matches_the_plain_prefill_bf16():
     model = random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, device="cuda", std=0.05)
     ids = torch.randint(0, 96, (2, 40), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
     want, _ = model(ids)
-    bt = _block_table(2, 12, seed=7).cuda()
+    bt = shuffled_block_table(2, 12, seed=7).cuda()
     caches = model.new_cache(bt.numel() + 3, PAGE)
     schedule = [([0, 0], [16, 16], 16), ([16, 16], [14, 9], 14), ([30, 25], [10, 15], 15)]
     for (prefix, counts, rows), mask in zip(schedule, [type(None), CausalBias, torch.Tensor]):

@@ -10,13 +10,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ddtree.models import fused_moe, moe_align
+from ddtree.models import fused_moe, fused_moe_kernels, moe_align
 
 from ..sm90_assembly import assemble
 
 # Integer arguments that a launch at Kimi K2 / Moonlight shapes does not see as multiples of 16;
 # Triton specializes every other pointer and integer there as 16-divisible, and so does this.
-NOT_DIVISIBLE = {"num_pairs", "top_k", "num_experts", "num_blocks"}
+NOT_DIVISIBLE = {"num_pairs", "num_tokens", "top_k", "num_experts", "num_blocks", "routed_blocks", "token_blocks"}
 
 
 def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1,
@@ -56,11 +56,12 @@ def all_reports() -> dict[str, dict]:
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
                                 dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
-        "gate_up": compile_report(fused_moe._gate_up_kernel, dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, **index),
-                                  tiles, **gemm),
-        "down": compile_report(fused_moe._down_kernel,
-                               dict(h_ptr=dtype, w_ptr=dtype, weights_ptr="*fp32", y_ptr="*fp32", **index),
-                               tiles, **gemm),
-        "sum": compile_report(fused_moe._sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
-                              dict(TOP_K=8, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
+        "gate_up": compile_report(fused_moe_kernels._gate_up_kernel,
+                                  dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, shared_gate_ptr=dtype,
+                                       shared_up_ptr=dtype, **index), tiles, **gemm),
+        "down": compile_report(fused_moe_kernels._down_kernel,
+                               dict(h_ptr=dtype, w_ptr=dtype, weights_ptr="*fp32", y_ptr="*fp32",
+                                    shared_down_ptr=dtype, **index), tiles, **gemm),
+        "sum": compile_report(fused_moe_kernels._sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
+                              dict(TOP_K=8, SHARED=1, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
     }

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from ddtree.models import TargetConfig
 from ddtree.models import moe as moe_module
-from ddtree.models.fused_moe import BLOCK_K, BLOCK_N, NARROW_TILES, Workspace, block_m_for, fused_moe, tiles_for
+from ddtree.models.fused_moe import (BLOCK_K, BLOCK_N, NARROW_TILES, SharedExperts, Workspace, block_m_for, fused_moe,
+                                     tiles_for)
 from ddtree.models.moe import MoE
 from ddtree.models.moe_align import NO_EXPERT, align_by_expert, max_blocks
 
@@ -23,9 +24,10 @@ POISON_INT = -7
 
 # ---- the specifications ---------------------------------------------------------------------------
 
-def moe_reference(x, w_gate_up, w_down, weights, ids) -> torch.Tensor:
+def moe_reference(x, w_gate_up, w_down, weights, ids, shared: SharedExperts | None = None) -> torch.Tensor:
     """float64 [T, hidden], one (token, choice) at a time: h = silu(x Wg) * (x Wu), rounded to
-    x.dtype (the kernel stores it so), then out[t] = sum_j weights[t, j] * h Wd."""
+    x.dtype (the kernel stores it so), then out[t] = sum_j weights[t, j] * h Wd; plus, with
+    `shared`, the shared MLP down(silu(gate x) * up x) with its intermediate rounded so."""
     tokens, top_k = ids.shape
     inter = w_down.shape[1]
     out = torch.zeros(tokens, x.shape[1], dtype=torch.float64)
@@ -34,7 +36,22 @@ def moe_reference(x, w_gate_up, w_down, weights, ids) -> torch.Tensor:
         gate_up = x[t].double() @ w_gate_up[e].double()
         h = (F.silu(gate_up[:inter]) * gate_up[inter:]).to(x.dtype).double()
         out[t] += float(weights[t, j]) * (h @ w_down[e].double())
+    if shared is not None:
+        xd = x.double()
+        h = (F.silu(xd @ shared.gate.double().T) * (xd @ shared.up.double().T)).to(x.dtype).double()
+        out += h @ shared.down.double().T
     return out
+
+
+def make_shared(case, num_shared: int, dtype: torch.dtype, device: str, joint: bool = True) -> SharedExperts:
+    """Shared MLP weights in nn.Linear layout, num_shared x the routed width; gate and up as views
+    of one buffer (joint.join's layout) or apart."""
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    width, h = num_shared * case.inter, case.hidden
+    gate_up = (torch.randn(2 * width, h, generator=gen) / h**0.5).to(dtype=dtype, device=device)
+    down = (torch.randn(h, width, generator=gen) / width**0.5).to(dtype=dtype, device=device)
+    gate, up = (gate_up[:width], gate_up[width:]) if joint else (gate_up[:width].clone(), gate_up[width:].clone())
+    return SharedExperts(gate, up, down)
 
 
 def align_reference(ids: list[list[int]], num_experts: int, block_m: int, n_blocks: int):
@@ -168,6 +185,45 @@ def test_fused_moe_matches_float64_reference(name, dtype, kernel_device):
     assert_close(out, moe_reference(x.cpu(), w_gate_up.cpu(), w_down.cpu(), weights.cpu(), ids.cpu()), TOL[dtype])
 
 
+SHARED_CASES = {
+    "decode_two_shared": (Case(1, 2, 5, 40, 24), 2, True),
+    "masked_tiles_one_shared": (Case(7, 3, 6, 200, 150, seed=1), 1, False),  # gate and up apart
+    # 40 tokens at block_m 64 (block_m_64): one shared block per expert, its rows partly masked.
+    "block_m_64_three_shared": (Case(40, 2, 2, 72, 150, seed=9), 3, True),
+    "many_token_blocks": (Case(37, 1, 3, 48, 32, seed=12), 2, True),  # three 16-row blocks per shared expert
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(SHARED_CASES))
+def test_fused_moe_with_shared_experts_matches_float64_reference(name, dtype, kernel_device):
+    case, num_shared, joint = SHARED_CASES[name]
+    x, w_gate_up, w_down, weights, ids = make_inputs(case, dtype, kernel_device)
+    shared = make_shared(case, num_shared, dtype, kernel_device, joint)
+    ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
+                         num_shared=num_shared)
+    for buf in (ws.h, ws.y):
+        buf.fill_(float("nan"))
+    out = torch.full((case.tokens, case.hidden), float("nan"), dtype=dtype, device=kernel_device)
+    fused_moe(x, w_gate_up, w_down, weights, ids, shared=shared, out=out, workspace=ws)
+    assert not torch.isnan(ws.h).any() and not torch.isnan(ws.y).any(), "a routed or shared row was not written"
+    cpu = SharedExperts(shared.gate.cpu(), shared.up.cpu(), shared.down.cpu())
+    want = moe_reference(x.cpu(), w_gate_up.cpu(), w_down.cpu(), weights.cpu(), ids.cpu(), cpu)
+    assert_close(out, want, TOL[dtype])
+    routed_only = moe_reference(x.cpu(), w_gate_up.cpu(), w_down.cpu(), weights.cpu(), ids.cpu())
+    assert (want - routed_only).norm() > 0.1 * want.norm(), "the shared experts must move the result"
+
+
+def test_shared_experts_only(kernel_device):
+    """k = 0 routed choices: out is the shared MLP alone."""
+    case = Case(3, 0, 4, 40, 24, seed=13)
+    x, w_gate_up, w_down, weights, ids = make_inputs(case, torch.float32, kernel_device)
+    shared = make_shared(case, 1, torch.float32, kernel_device)
+    out = fused_moe(x, w_gate_up.nan_to_num(0.0), w_down.nan_to_num(0.0), weights, ids, shared=shared)
+    cpu = SharedExperts(shared.gate.cpu(), shared.up.cpu(), shared.down.cpu())
+    assert_close(out, moe_reference(x.cpu(), w_gate_up.cpu(), w_down.cpu(), weights.cpu(), ids.cpu(), cpu), 1e-5)
+
+
 def test_tile_choice():
     """Narrow tiles while the gate_up launch would leave SMs idle; block_m from pairs per expert."""
     assert tiles_for(6, 1408) == NARROW_TILES  # a Moonlight decode token: 6 x 11 programs
@@ -190,6 +246,13 @@ def test_no_tokens(kernel_device):
     assert out.shape == (0, 40)
 
 
+def zero_shared(device, gate, up, down, dtype=torch.bfloat16, strided_up=False) -> SharedExperts:
+    """SharedExperts of zeros with the given shapes; strided_up: up as every other column of a wider buffer."""
+    def make(shape):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return SharedExperts(make(gate), make((up[0], 2 * up[1]))[:, ::2] if strided_up else make(up), make(down))
+
+
 @pytest.mark.parametrize("change,match", [
     (lambda a, dev: a.update(ids=a["ids"].int()), "ids must be torch.int64"),
     (lambda a, dev: a.update(weights=a["weights"].double()), "weights must be torch.float32"),
@@ -201,6 +264,12 @@ def test_no_tokens(kernel_device):
     (lambda a, dev: a.update(ids=a["ids"].to("meta")), "ids is on meta"),
     (lambda a, dev: a.update(out=torch.empty(2, 32, device=dev)), "out must be a contiguous torch.bfloat16"),
     (lambda a, dev: a.update(workspace=Workspace.empty(2, 2, 5, 32, 16, torch.float32, dev)), "workspace.h must be"),
+    (lambda a, dev: a.update(shared=zero_shared(dev, (24, 32), (24, 32), (32, 24))), r"shared.gate must be \[S \* inter"),
+    (lambda a, dev: a.update(shared=zero_shared(dev, (32, 32), (32, 32), (16, 32))), r"shared.down must be \[32, 32\]"),
+    (lambda a, dev: a.update(shared=zero_shared(dev, (16, 32), (16, 32), (32, 16), dtype=torch.float32)),
+     r"shared.gate must be torch.bfloat16 \(x.dtype\)"),
+    (lambda a, dev: a.update(shared=zero_shared(dev, (16, 32), (16, 32), (32, 16), strided_up=True)),
+     "shared.up must be contiguous"),
 ])
 def test_fused_moe_rejects_bad_inputs(change, match, kernel_device):
     x, w_gate_up, w_down, weights, ids = make_inputs(Case(2, 2, 5, 32, 16), torch.bfloat16, kernel_device)
@@ -212,11 +281,15 @@ def test_fused_moe_rejects_bad_inputs(change, match, kernel_device):
 
 # ---- MoE.forward's switch ---------------------------------------------------------------------------
 
-def make_moe(dtype: torch.dtype, experts: int = 10, top_k: int = 3, hidden: int = 72, inter: int = 40) -> MoE:
+def make_moe(dtype: torch.dtype, experts: int = 10, top_k: int = 3, hidden: int = 72, inter: int = 40,
+             shared: int = 1, joint: bool = False) -> MoE:
     raw = dict(vocab_size=8, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_attention_heads=1,
                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=experts,
-               n_shared_experts=1, num_experts_per_tok=top_k, moe_intermediate_size=inter, routed_scaling_factor=2.5)
+               n_shared_experts=shared, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+               routed_scaling_factor=2.5)
     moe = MoE(TargetConfig.from_dict(raw))
+    if joint:
+        moe.shared_experts.fuse_input_projections()
     gen = torch.Generator().manual_seed(experts)
     with torch.no_grad():
         for p in moe.parameters():  # router bias [E]; nn.Linear [out, in]; experts [E, in, out]
@@ -226,13 +299,16 @@ def make_moe(dtype: torch.dtype, experts: int = 10, top_k: int = 3, hidden: int 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shared,joint", [(1, False), (2, True), (0, False)])
 @torch.no_grad()
-def test_moe_fused_path_equals_grouped_path(dtype, kernel_device):
-    moe = make_moe(dtype).to(kernel_device)
+def test_moe_fused_path_equals_grouped_path(dtype, shared, joint, kernel_device, monkeypatch):
+    moe = make_moe(dtype, shared=shared, joint=joint).to(kernel_device)
     x = torch.randn(2, 3, 72, generator=torch.Generator().manual_seed(1)).to(dtype=dtype, device=kernel_device)
     moe.fused = False
     want = moe(x)
     moe.fused = True
+    if shared:  # the fused path adds the shared experts inside its own launches, not through the MLP
+        monkeypatch.setattr(moe.shared_experts, "forward", lambda *a: pytest.fail("shared MLP ran on its own"))
     got = moe(x)
     # The grouped path also rounds gate, up and each expert's output to x.dtype.
     assert_close(got.flatten(0, 1), want.flatten(0, 1), 2e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -242,7 +318,7 @@ def test_moe_switch_on_cpu(monkeypatch):
     """On the CPU the automatic choice is the grouped path; fused=True opts in; the fused path
     refuses a forward that autograd needs."""
     calls = []
-    monkeypatch.setattr(moe_module, "fused_moe", lambda *args: calls.append(args) or torch.zeros_like(args[0]))
+    monkeypatch.setattr(moe_module, "fused_moe", lambda *args, **kw: calls.append(args) or torch.zeros_like(args[0]))
     moe = make_moe(torch.float32)
     x = torch.randn(4, 72)
     with torch.no_grad():
@@ -263,7 +339,7 @@ def test_moe_switch_on_cpu(monkeypatch):
 def test_moe_on_cuda_takes_the_fused_path_up_to_the_threshold(monkeypatch):
     calls = []
     real = moe_module.fused_moe
-    monkeypatch.setattr(moe_module, "fused_moe", lambda *args: calls.append(args[0].shape[0]) or real(*args))
+    monkeypatch.setattr(moe_module, "fused_moe", lambda *args, **kw: calls.append(args[0].shape[0]) or real(*args, **kw))
     moe = make_moe(torch.bfloat16).cuda()
     for tokens in (1, moe_module.FUSED_MAX_TOKENS, moe_module.FUSED_MAX_TOKENS + 1):
         moe(torch.randn(tokens, 72, device="cuda", dtype=torch.bfloat16))

@@ -10,7 +10,7 @@ from ..kernels import use_kernel
 from . import joint
 from .config import TargetConfig
 from .fused_moe import DTYPES as FUSED_DTYPES
-from .fused_moe import fused_moe
+from .fused_moe import SharedExperts, fused_moe
 from .moe_align import MAX_PAIRS
 from .router_kernel import fused_route
 
@@ -109,14 +109,15 @@ FUSED_MAX_TOKENS = 520
 
 
 class MoE(nn.Module):
-    """Routed experts plus the shared experts. Two paths compute the routed part:
+    """Routed experts plus the shared experts. Two paths:
 
     - grouped: pairs sorted by expert for two grouped GEMMs (no per-token or per-expert Python
       loop, no host sync: expert offsets stay on the device). The reference, the path for more than
       FUSED_MAX_TOKENS rows (large batches of trees, long prefill chunks) and for autograd, and the
       CPU default, so training and CPU tests keep its numerics.
     - fused: the Triton kernels of fused_moe.py, which read each touched expert's weights once per
-      block of its rows. Taken on CUDA for at most FUSED_MAX_TOKENS tokens when no gradient is needed.
+      block of its rows, and the shared experts' in the same launches. Taken on CUDA for at most
+      FUSED_MAX_TOKENS tokens when no gradient is needed.
 
     `fused` overrides the choice: None (automatic), True (the fused path, e.g. on the CPU under
     TRITON_INTERPRET=1 in tests) or False (the grouped path).
@@ -139,13 +140,27 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         if router_ids is not None:
             router_ids.append(ids)
+        shared = None
         if self._use_fused(x, weights):
-            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids)
+            shared = self._shared_in_place()
+            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared=shared)
         else:
             out = self._grouped(x, weights, ids)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(x)
         return out.view(shape)
+
+    def _shared_in_place(self) -> SharedExperts | None:
+        """The shared MLP's weights for fused_moe, which adds it inside its own launches; None (the
+        MLP runs on its own) when there is none, or when its width is not a whole number of routed
+        experts or its weights are not plain contiguous tensors of the experts' dtype."""
+        mlp = self.shared_experts
+        if mlp is None or mlp.gate_proj.weight.shape[0] % self.w_down.shape[1]:
+            return None
+        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        if any(not w.is_contiguous() or w.dtype != self.w_down.dtype for w in weights):
+            return None
+        return SharedExperts(*weights)
 
     def _use_fused(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
         chosen = use_kernel(self.fused, "MoE.fused", x, weights, self.w_gate_up, self.w_down)

@@ -31,9 +31,10 @@ def joint_weight(first: nn.Linear, second: nn.Linear) -> torch.Tensor | None:
     return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
 
 
-def both(first: nn.Linear, second: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first(x), second(x)) for x [..., in]: one GEMM over the joint view when there is one."""
+def both(first: nn.Linear, second: nn.Linear, x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)) for x [..., in]: one GEMM over the joint view when there is one.
+    `linear(x, weight)` computes it (skinny.linear on a decode step's kernel path)."""
     joint = joint_weight(first, second)
     if joint is None:
-        return first(x), second(x)
-    return F.linear(x, joint).split([first.weight.shape[0], second.weight.shape[0]], dim=-1)
+        return linear(x, first.weight), linear(x, second.weight)
+    return linear(x, joint).split([first.weight.shape[0], second.weight.shape[0]], dim=-1)

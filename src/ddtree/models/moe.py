@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_kernel
-from . import joint
+from . import joint, skinny
 from .config import TargetConfig
 from .fused_moe import DTYPES as FUSED_DTYPES
 from .fused_moe import SharedExperts, fused_moe
@@ -61,26 +61,29 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
         cfg = self.cfg
-        logits = self._logits(x)  # [T, E] float32
-        if not self._use_fused(logits):
-            return self._reference(logits)
+        if not self._use_fused(x):
+            return self._reference(self._logits(x))
+        logits = self._logits(x, skinny.linear)  # [T, E] float32
         return fused_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
                            scoring_func=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
                            topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
                            routed_scaling_factor=cfg.routed_scaling_factor)
 
-    def _use_fused(self, logits: torch.Tensor) -> bool:
-        return use_kernel(self.fused, "Router.fused", logits)
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        return use_kernel(self.fused, "Router.fused", x, self.weight)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> float32 [T, E]. On CUDA, 16-bit x and weight go through one GEMM with a
-        float32 output: products of 16-bit values are exact in float32, so it is the float32 GEMM
-        up to summation order, without the two casting copies per layer (about half the router's
-        time in the H200 profile)."""
+    def _logits(self, x: torch.Tensor, linear=None) -> torch.Tensor:
+        """x [T, hidden] -> float32 [T, E]. On CUDA (or with `linear`, the kernel path's
+        skinny.linear), 16-bit x and weight go through one GEMM with a float32 output: products of
+        16-bit values are exact in float32, so it is the float32 GEMM up to summation order, without
+        the two casting copies per layer (about half the router's time in the H200 profile)."""
         w = self.weight
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-        if x.is_cuda and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and not needs_grad:
-            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        if x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and not needs_grad:
+            if linear is not None:
+                return linear(x, w, out_dtype=torch.float32)
+            if x.is_cuda:
+                return torch.mm(x, w.t(), out_dtype=torch.float32)
         return F.linear(x.float(), w.float())
 
     def _reference(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

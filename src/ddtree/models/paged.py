@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import tree_verify_mla
+from . import skinny
 from .fused_mla import rotary_into, write_latent_entries
 
 
@@ -144,11 +145,12 @@ def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, 
     write_latent_entries(kv.reshape(rows, -1), latent_norm[0], latent_norm[1], cos, sin, cache.view(-1, cache.shape[-1]),
                          meta.slot_mapping.view(-1), interleave)
     q = q.reshape(rows, heads, qk)
+    bmm = skinny.skinny_matmul if rows <= skinny.MAX_ROWS else torch.bmm  # a decode step: fill the GPU
     query = torch.empty(rows, heads, latent + rope_dim, dtype=q.dtype, device=q.device)
-    torch.bmm(q[..., :nope].transpose(0, 1), w_kv_b[:, :nope], out=query[..., :latent].transpose(0, 1))  # W_UK
+    bmm(q[..., :nope].transpose(0, 1), w_kv_b[:, :nope], out=query[..., :latent].transpose(0, 1))  # W_UK
     rotary_into(q[..., nope:], cos, sin, query[..., latent:], interleave)
     out_latent = attend(query.view(b, n, heads, -1), cache, meta, scale, latent)  # [B, N, H, C]
     out = torch.empty(rows, heads, w_kv_b.shape[1] - nope, dtype=q.dtype, device=q.device)
-    torch.bmm(out_latent.view(rows, heads, latent).transpose(0, 1).to(q.dtype), w_kv_b[:, nope:].transpose(1, 2),
-              out=out.transpose(0, 1))  # W_UV
+    bmm(out_latent.view(rows, heads, latent).transpose(0, 1).to(q.dtype), w_kv_b[:, nope:].transpose(1, 2),
+        out=out.transpose(0, 1))  # W_UV
     return out

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_kernel
-from . import joint
+from . import joint, skinny
 from .config import TargetConfig
 from .moe import MLP, MoE
 from .norm import RMSNorm
@@ -64,13 +64,13 @@ class MLA(nn.Module):
         one GEMM. The loader calls it."""
         joint.join(*self._input_projections())
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> q [B, T, H, qk_head_dim] (not rotated), kv [B, T, kv_lora_rank + rope]
-        (latent before its norm, shared key before rotation)."""
+        (latent before its norm, shared key before rotation). `linear(x, weight)` runs the GEMMs."""
         cfg = self.cfg
-        q, kv = joint.both(*self._input_projections(), x)
+        q, kv = joint.both(*self._input_projections(), x, linear)
         if cfg.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
+            q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
         return q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim), kv
 
     def rotated(self, q: torch.Tensor, kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
@@ -120,12 +120,13 @@ class MLA(nn.Module):
         """Absorbed form over the paged cache: writes the new entries, then attends (verify / decode)."""
         cfg = self.cfg
         b, n, _ = x.shape
-        q, kv = self.project(x)
         w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        if use_kernel(self.fused, "MLA.fused", x, w):
+        if use_kernel(self.fused, "MLA.fused", x, w):  # a decode step's GEMMs on skinny's few-row kernel
+            q, kv = self.project(x, skinny.linear)
             norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
             out = absorbed_attention(q, kv, w, norm, meta, cache, rope, self.scale, cfg.rope_interleave)
-            return self.o_proj(out.view(b, n, -1))
+            return skinny.linear(out.view(b, n, -1), self.o_proj.weight)
+        q, kv = self.project(x)
         q_nope, q_rope, entries = self.rotated(q, kv, rope)
         write_entries(cache, entries, meta)
         q_latent = torch.einsum("bnhk,hkc->bnhc", q_nope, w[:, : cfg.qk_nope_head_dim])  # W_UK absorbed

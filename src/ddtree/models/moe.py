@@ -60,17 +60,21 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
-        cfg = self.cfg
-        if not self._use_fused(x):
+        if not self.uses_kernels(x):
             return self._reference(self._logits(x))
-        logits = self._logits(x, skinny.linear)  # [T, E] float32
+        return self.route(self._logits(x, skinny.linear))
+
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether forward takes the kernel path (the `fused` switch) for input x."""
+        return use_kernel(self.fused, "Router.fused", x, self.weight)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel path after the GEMM: logits float32 [T, E] -> (weights float32 [T, k], ids int64 [T, k])."""
+        cfg = self.cfg
         return fused_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
                            scoring_func=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
                            topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
                            routed_scaling_factor=cfg.routed_scaling_factor)
-
-    def _use_fused(self, x: torch.Tensor) -> bool:
-        return use_kernel(self.fused, "Router.fused", x, self.weight)
 
     def _logits(self, x: torch.Tensor, linear=None) -> torch.Tensor:
         """x [T, hidden] -> float32 [T, E]. On CUDA (or with `linear`, the kernel path's
@@ -135,12 +139,14 @@ class MoE(nn.Module):
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.fused: bool | None = None
 
-    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None,
+                logits: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
-        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
+        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched);
+        logits: the router's float32 [tokens, E] when the caller computed them (fused_decode)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x) if logits is None else self.gate.route(logits)
         if router_ids is not None:
             router_ids.append(ids)
         shared = None

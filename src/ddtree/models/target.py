@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_kernel
-from . import joint, skinny
+from . import fused_decode, joint, skinny
 from .config import TargetConfig
 from .moe import MLP, MoE
 from .norm import RMSNorm
@@ -115,18 +115,35 @@ class MLA(nn.Module):
         write_entries(cache, entries, meta)
         return self.expanded_attention(q_nope, q_rope, gather_entries(cache, meta).to(x.dtype), meta.attn_mask)
 
+    def absorbed_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight as [H, qk_nope + v, kv_lora_rank]: W_UK and W_UV per head."""
+        cfg = self.cfg
+        return self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                          cfg.kv_lora_rank)
+
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether forward_paged takes the kernel path (the `fused` switch) for input x."""
+        return use_kernel(self.fused, "MLA.fused", x, self.kv_b_proj.weight)
+
+    def attend_projected(self, q: torch.Tensor, kv: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor,
+                         rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Kernel path from project's outputs q [B, N, H, qk], kv [B, N, C + rope]: writes the new
+        cache entries, attends in absorbed form, returns o_proj's output [B, N, hidden]."""
+        b, n = q.shape[:2]
+        norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+        out = absorbed_attention(q, kv, self.absorbed_weight(), norm, meta, cache, rope, self.scale,
+                                 self.cfg.rope_interleave)
+        return skinny.linear(out.view(b, n, -1), self.o_proj.weight)
+
     def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor,
                       rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Absorbed form over the paged cache: writes the new entries, then attends (verify / decode)."""
         cfg = self.cfg
+        if self.uses_kernels(x):  # a decode step's GEMMs on skinny's few-row kernel
+            return self.attend_projected(*self.project(x, skinny.linear), meta, cache, rope)
         b, n, _ = x.shape
-        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        if use_kernel(self.fused, "MLA.fused", x, w):  # a decode step's GEMMs on skinny's few-row kernel
-            q, kv = self.project(x, skinny.linear)
-            norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
-            out = absorbed_attention(q, kv, w, norm, meta, cache, rope, self.scale, cfg.rope_interleave)
-            return skinny.linear(out.view(b, n, -1), self.o_proj.weight)
         q, kv = self.project(x)
+        w = self.absorbed_weight()
         q_nope, q_rope, entries = self.rotated(q, kv, rope)
         write_entries(cache, entries, meta)
         q_latent = torch.einsum("bnhk,hkc->bnhc", q_nope, w[:, : cfg.qk_nope_head_dim])  # W_UK absorbed
@@ -153,6 +170,8 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + delta (delta: the previous layer's MLP output, None for the
         first), so that each residual add runs inside the norm after it. Returns (residual,
         mlp_out) [B, N, hidden] each; their sum is the layer's output."""
+        if fused_decode.eligible(self, x, delta, meta):  # norms inside the projections: fewer launches
+            return fused_decode.forward(self, x, delta, meta, cache, rope, router_ids)
         attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm(x, delta)
         x, h = self.post_attention_layernorm(x, attn(h, meta, cache, rope))

@@ -56,13 +56,9 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _latent_entry_kernel(
-    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr,
-    latent_dim, eps,
-    stride_kvt, stride_ct,
-    HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
+def _latent_entry(t, kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, latent_dim, eps, stride_kvt, stride_ct,
+                  HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """cache[slot[t]] = [RMSNorm(kv[t, :C]), rotate(kv[t, C:])]."""
     slot = tl.load(slot_ptr + t)
     entry_ptr = cache_ptr + slot * (latent_dim + 2 * HALF)
     offs = tl.arange(0, BLOCK_C)
@@ -75,6 +71,17 @@ def _latent_entry_kernel(
     tl.store(entry_ptr + offs, y.to(cache_ptr.dtype.element_ty), mask=ok)
     _rotate(kv_ptr + t * stride_kvt + latent_dim, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct,
             entry_ptr + latent_dim, HALF, BLOCK_HALF, INTERLEAVE)
+
+
+@triton.jit
+def _latent_entry_kernel(
+    kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr,
+    latent_dim, eps,
+    stride_kvt, stride_ct,
+    HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+):
+    _latent_entry(tl.program_id(0).to(tl.int64), kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, latent_dim,
+                  eps, stride_kvt, stride_ct, HALF, BLOCK_C, BLOCK_HALF, INTERLEAVE)
 
 
 def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, rows: int, half: int, dtype: torch.dtype, device) -> None:
@@ -116,18 +123,9 @@ def rotary_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     return out
 
 
-def write_latent_entries(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                         cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool) -> None:
-    """cache[slot_mapping[t]] <- [RMSNorm(kv[t, :C]), rotate(kv[t, C:])], cast to cache.dtype.
-
-    kv:           [T, C + R] (kv_a_proj_with_mqa's output: latent, then the shared rotary key),
-                  bf16 / fp16 / fp32, unit last stride, any row stride.
-    weight:       kv.dtype [C] (kv_a_layernorm.weight); eps its epsilon.
-    cos, sin:     kv.dtype [T, R / 2], unit last stride (rope.rotary_cos_sin, rows flattened).
-    cache:        [num_pages, page_size, C + R] (or any [..., C + R]), contiguous, one of DTYPES.
-    slot_mapping: int64 [T], contiguous: flat slot (page * page_size + offset) of each row, in
-                  range (ForwardMeta.slot_mapping; not checked: that would read it back).
-    """
+def check_latent_inputs(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[int, int, int]:
+    """write_latent_entries' checks (its docstring has the contract); returns (rows, C, R)."""
     if kv.dim() != 2 or kv.dtype not in DTYPES or kv.stride(-1) != 1:
         raise ValueError(f"kv must be [T, C + R], one of {DTYPES}, unit last stride; got {kv.dtype} "
                          f"{list(kv.shape)} strides {kv.stride()}")
@@ -148,6 +146,22 @@ def write_latent_entries(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos
                          f"{list(slot_mapping.shape)}")
     if slot_mapping.device != kv.device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device} but kv is on {kv.device}")
+    return rows, latent, rope
+
+
+def write_latent_entries(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                         cache: torch.Tensor, slot_mapping: torch.Tensor, interleave: bool) -> None:
+    """cache[slot_mapping[t]] <- [RMSNorm(kv[t, :C]), rotate(kv[t, C:])], cast to cache.dtype.
+
+    kv:           [T, C + R] (kv_a_proj_with_mqa's output: latent, then the shared rotary key),
+                  bf16 / fp16 / fp32, unit last stride, any row stride.
+    weight:       kv.dtype [C] (kv_a_layernorm.weight); eps its epsilon.
+    cos, sin:     kv.dtype [T, R / 2], unit last stride (rope.rotary_cos_sin, rows flattened).
+    cache:        [num_pages, page_size, C + R] (or any [..., C + R]), contiguous, one of DTYPES.
+    slot_mapping: int64 [T], contiguous: flat slot (page * page_size + offset) of each row, in
+                  range (ForwardMeta.slot_mapping; not checked: that would read it back).
+    """
+    rows, latent, rope = check_latent_inputs(kv, weight, cos, sin, cache, slot_mapping)
     require_kernel_device(kv.device, "write_latent_entries")
     if rows:
         _latent_entry_kernel[(rows,)](

@@ -13,6 +13,7 @@ import torch
 
 from ..attention import tree_verify_mla
 from . import skinny
+from .absorbed_query import absorbed_query
 from .fused_mla import rotary_into, write_latent_entries
 
 
@@ -135,6 +136,8 @@ def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, 
     Returns [B * N, H, v]. The entries go to the cache in one kernel (norm, rotary, cast, write);
     the two absorbed products are batched GEMMs over heads that write into their consumers'
     layouts (the query's latent slice, o_proj's row-major input) instead of being copied there.
+    At most skinny.MAX_ROWS rows (a decode step) run skinny's GEMM kernel, and the query's GEMM,
+    its rotary part and the cache entries share one launch (absorbed_query.py).
     """
     b, n, heads, qk = q.shape
     latent = w_kv_b.shape[2]
@@ -142,13 +145,18 @@ def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, 
     nope = qk - rope_dim
     rows = b * n
     cos, sin = (t.reshape(rows, -1) for t in rope)
-    write_latent_entries(kv.reshape(rows, -1), latent_norm[0], latent_norm[1], cos, sin, cache.view(-1, cache.shape[-1]),
-                         meta.slot_mapping.view(-1), interleave)
+    entries = (kv.reshape(rows, -1), latent_norm[0], latent_norm[1], cos, sin, cache.view(-1, cache.shape[-1]),
+               meta.slot_mapping.view(-1))
     q = q.reshape(rows, heads, qk)
-    bmm = skinny.skinny_matmul if rows <= skinny.MAX_ROWS else torch.bmm  # a decode step: fill the GPU
-    query = torch.empty(rows, heads, latent + rope_dim, dtype=q.dtype, device=q.device)
-    bmm(q[..., :nope].transpose(0, 1), w_kv_b[:, :nope], out=query[..., :latent].transpose(0, 1))  # W_UK
-    rotary_into(q[..., nope:], cos, sin, query[..., latent:], interleave)
+    if rows <= skinny.MAX_ROWS:  # a decode step: the three launches below as one
+        query = absorbed_query(q, w_kv_b[:, :nope], *entries, interleave)
+        bmm = skinny.skinny_matmul
+    else:
+        write_latent_entries(*entries, interleave)
+        query = torch.empty(rows, heads, latent + rope_dim, dtype=q.dtype, device=q.device)
+        torch.bmm(q[..., :nope].transpose(0, 1), w_kv_b[:, :nope], out=query[..., :latent].transpose(0, 1))  # W_UK
+        rotary_into(q[..., nope:], cos, sin, query[..., latent:], interleave)
+        bmm = torch.bmm
     out_latent = attend(query.view(b, n, heads, -1), cache, meta, scale, latent)  # [B, N, H, C]
     out = torch.empty(rows, heads, w_kv_b.shape[1] - nope, dtype=q.dtype, device=q.device)
     bmm(out_latent.view(rows, heads, latent).transpose(0, 1).to(q.dtype), w_kv_b[:, nope:].transpose(1, 2),

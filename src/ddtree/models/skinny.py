@@ -38,6 +38,24 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
+def _skinny_tile(x_ptrs, w_ptrs, x_step, w_step, m_ok, n_ok, K,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """x @ w for one [BLOCK_M, BLOCK_N] tile over depth K, float32; pointers at k = 0, each K step
+    advancing them by x_step and w_step."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _dot(a, w, acc, DOT_F32, PRECISION)
+        x_ptrs += x_step
+        w_ptrs += w_step
+    return acc
+
+
+@triton.jit
 def _skinny_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K,
     stride_xb, stride_xm, stride_xk, stride_wb, stride_wk, stride_wn, stride_ob, stride_om, stride_on,
@@ -53,14 +71,8 @@ def _skinny_kernel(
     n_ok = offs_n < N
     x_ptrs = x_ptr + b * stride_xb + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + b * stride_wb + offs_k[:, None] * stride_wk + offs_n[None, :].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(a, w, acc, DOT_F32, PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    acc = _skinny_tile(x_ptrs, w_ptrs, BLOCK_K * stride_xk, BLOCK_K * stride_wk, m_ok, n_ok, K,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
     out_ptrs = out_ptr + b * stride_ob + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -3,6 +3,7 @@ equals its PyTorch path: logits, captured hidden states and every cache entry wr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,6 +126,21 @@ def test_joint_projection_keeps_names_and_values():
         separate = split.project(x.double())
     for j, s in zip(together, separate):
         torch.testing.assert_close(j.double(), s, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_adjacent_weights_in_separate_storages_are_not_joined():
+    """Two weights whose memory happens to sit back to back (on the H200 the caching allocator put
+    a moved model's gate and up so) are two storages: a joint view over both would read past the
+    first's storage."""
+    memory = np.zeros((8, 3), dtype=np.float32)
+    first, second = torch.nn.Linear(3, 4, bias=False), torch.nn.Linear(3, 4, bias=False)
+    first.weight = torch.nn.Parameter(torch.from_numpy(memory[:4]))
+    second.weight = torch.nn.Parameter(torch.from_numpy(memory[4:]))
+    assert second.weight.data_ptr() == first.weight.data_ptr() + first.weight.numel() * 4
+    assert joint.joint_weight(first, second) is None
+    joint.join(first, second)
+    assert joint.joint_weight(first, second) is not None
 
 
 def test_mlp_gate_and_up_read_the_input_with_one_gemm():

@@ -16,10 +16,12 @@ from .moe import MoE
 from .normed_linear import normed_linear
 from .paged import ForwardMeta
 
+MAX_ROWS = skinny.MAX_ROWS  # rows of a forward that take this path (0: never)
+
 
 def eligible(layer, x: torch.Tensor, delta: torch.Tensor | None, meta) -> bool:
     """Whether `layer` (a DecoderLayer) can run forward() on input x [B, N, hidden] + delta."""
-    if not isinstance(meta, ForwardMeta) or x.shape[0] * x.shape[1] > skinny.MAX_ROWS:
+    if not isinstance(meta, ForwardMeta) or x.shape[0] * x.shape[1] > min(MAX_ROWS, skinny.MAX_ROWS):
         return False
     attn = layer.self_attn
     if not attn.uses_kernels(x) or joint.joint_weight(*attn._input_projections()) is None:

@@ -28,6 +28,10 @@ def joint_weight(first: nn.Linear, second: nn.Linear) -> torch.Tensor | None:
         return None
     if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
         return None
+    # Adjacent is not enough: two separate allocations can sit back to back (the CUDA caching
+    # allocator did so on the H200 after a .to()); the view must stay inside one storage.
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
     return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
 
 

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.models import TargetConfig, fused_decode, joint, random_target
+from ddtree.models import TargetConfig, joint, random_target
 from ddtree.models.norm import RMSNorm
 from ddtree.models.paged import ForwardMeta
-from ddtree.models.switches import set_kernel_paths
 from ddtree.models.target import MLA, Target
 from ddtree.tree import pack_visibility
 
@@ -70,37 +69,6 @@ def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, mo
     for g, w in zip(hidden, want_hidden):
         torch.testing.assert_close(g, w, **TOL[dtype])
     for g, w in zip(fused_caches, caches):
-        torch.testing.assert_close(g, w, **TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("q_lora_rank", [None, 20], ids=["moonlight", "q_lora"])
-def test_decode_layers_with_norms_inside_the_gemms_equal_reference(q_lora_rank, dtype, monkeypatch, kernel_device):
-    """Every kernel path on (norms, MLA, router, experts): a decode step of 2 x 1 rows runs each
-    decoder layer through fused_decode (both norms inside the projections, the MoE layer's router
-    logits from normed_linear), and equals the PyTorch paths."""
-    model = random_target(tiny(q_lora_rank, True), dtype=dtype, std=0.1, device=kernel_device)
-    gen = torch.Generator().manual_seed(1)
-    caches = model.new_cache(6, PAGE)
-    on = lambda meta: ForwardMeta(**{k: v.to(kernel_device) for k, v in vars(meta).items()})  # noqa: E731
-    set_kernel_paths(model, "reference")
-    with torch.no_grad():
-        model.forward_paged(torch.randint(0, 64, (2, 5), generator=gen).to(kernel_device),
-                            on(chain_meta([0, 0], 5, [5, 4])), caches)
-    kernel_caches = [c.clone() for c in caches]
-    ids = torch.randint(0, 64, (2, 1), generator=gen).to(kernel_device)
-    meta = on(chain_meta([5, 4], 1, [1, 1]))
-    calls = []
-    real = fused_decode.forward
-    monkeypatch.setattr(fused_decode, "forward", lambda layer, *a: calls.append(layer) or real(layer, *a))
-    with torch.no_grad():
-        want, want_hidden = model.forward_paged(ids, meta, caches, hidden_layers=(0, 1))
-        assert calls == [], "the reference paths must not take the fused decode layer"
-        set_kernel_paths(model, "kernels")
-        got, hidden = model.forward_paged(ids, meta, kernel_caches, hidden_layers=(0, 1))
-    assert calls == list(model.layers), "each decoder layer must take fused_decode"
-    torch.testing.assert_close(got, want, **TOL[dtype])
-    for g, w in zip(hidden + kernel_caches, want_hidden + caches):
         torch.testing.assert_close(g, w, **TOL[dtype])
 
 

@@ -139,14 +139,12 @@ class MoE(nn.Module):
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.fused: bool | None = None
 
-    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None,
-                logits: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
-        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched);
-        logits: the router's float32 [tokens, E] when the caller computed them (fused_decode)."""
+        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x) if logits is None else self.gate.route(logits)
+        weights, ids = self.gate(x)
         if router_ids is not None:
             router_ids.append(ids)
         shared = None

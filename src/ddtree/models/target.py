@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import use_kernel
-from . import fused_decode, joint, skinny
+from . import joint, skinny
 from .config import TargetConfig
 from .moe import MLP, MoE
 from .norm import RMSNorm
@@ -170,8 +170,6 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + delta (delta: the previous layer's MLP output, None for the
         first), so that each residual add runs inside the norm after it. Returns (residual,
         mlp_out) [B, N, hidden] each; their sum is the layer's output."""
-        if fused_decode.eligible(self, x, delta, meta):  # norms inside the projections: fewer launches
-            return fused_decode.forward(self, x, delta, meta, cache, rope, router_ids)
         attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm(x, delta)
         x, h = self.post_attention_layernorm(x, attn(h, meta, cache, rope))

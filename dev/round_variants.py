@@ -1,0 +1,78 @@
+"""Dev: one graphed engine round under variants of module constants, each timed and profiled in one
+process (benchmarks/profile_round.py is the committed benchmark). Run from the repository root
+with PYTHONPATH=src:benchmarks.
+usage: profile_round.py OUT.json BATCH BUDGET variant [variant ...]; a variant is
+comma-separated key=value: skinny=0|1, narrow=NxK, stages=S (fused MoE), or 'base'."""
+import json, sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+sys.path.insert(0, "benchmarks")
+from round_setup import PrefixBatch, build_pair
+from ddtree.engine.round import RoundPlan, run_round
+from ddtree.engine.timing import StageTimer
+from ddtree.models import fused_moe, skinny
+
+out, batch, budget, variants = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] or ["base"]
+dev = torch.device("cuda")
+defaults = dict(max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
+
+def apply(variant):
+    skinny.MAX_ROWS = defaults["max_rows"]
+    fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = defaults["narrow"], defaults["stages"]
+    fused_moe.BLOCK_N, fused_moe.BLOCK_K = defaults["wide"]
+    if variant == "base":
+        return
+    for kv in variant.split(","):
+        k, v = kv.split("=")
+        if k == "skinny":
+            skinny.MAX_ROWS = defaults["max_rows"] if v == "1" else 0
+        elif k == "narrow":
+            fused_moe.NARROW_TILES = tuple(int(a) for a in v.split("x"))
+        elif k == "wide":
+            fused_moe.BLOCK_N, fused_moe.BLOCK_K = (int(a) for a in v.split("x"))
+        elif k == "stages":
+            fused_moe.NUM_STAGES = int(v)
+
+results = {}
+with torch.no_grad():
+    target, drafter, perm, info = build_pair("moonlight-16b-a3b", None, dev)
+    pb = PrefixBatch(target, drafter, batch, 1024, 65)
+    depth = pb.max_depth
+    pb.set_budget(budget)
+    plan = RoundPlan(bucket=batch, budget=budget, k=budget, any_sampled=False, any_filtered=False,
+                     key_limit=pb.key_limit if budget else None, features=budget > 0, experts=True)
+    run = lambda: run_round(pb.ctx, pb.state, plan, depth, StageTimer(dev, enabled=False))
+    ref = None
+    for variant in variants:
+        apply(variant)
+        s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            pb.restore(); first = run().clone()
+        torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
+        ref = first if ref is None else ref
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            pb.restore(); res = run()
+        torch.cuda.synchronize()
+        for _ in range(3): g.replay()
+        torch.cuda.synchronize()
+        same = bool(torch.equal(res, ref))
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(30):
+            st.record(); g.replay(); en.record(); en.synchronize(); ts.append(st.elapsed_time(en))
+        ts.sort()
+        n = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n): g.replay()
+            torch.cuda.synchronize()
+        ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        rows = sorted(((e.key[:100], e.count / n, e.device_time_total / n) for e in ev), key=lambda r: -r[2])
+        total = sum(r[2] for r in rows)
+        print(f"[{variant}] B={batch} budget={budget}: replay median {ts[len(ts)//2]:.3f} ms (p10 {ts[3]:.3f}, p90 {ts[-4]:.3f}); "
+              f"{sum(r[1] for r in rows):.0f} kernels, {total/1e3:.3f} ms kernel time; result equal to first variant: {same}", flush=True)
+        for r in rows[:14]:
+            print(f"   {r[2]:9.1f} us {r[1]:6.0f}x  {r[0]}")
+        results[variant] = dict(replay_ms=ts, kernels=rows, same_result=same)
+        del g
+json.dump(results, open(out, "w"), indent=0)

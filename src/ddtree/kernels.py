@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -25,3 +27,12 @@ def use_kernel(flag: bool | None, what: str, *tensors: torch.Tensor) -> bool:
     if flag and needs_grad:
         raise RuntimeError(f"{what} is True but autograd needs this forward: the kernel has no backward")
     return flag
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA device; 8 elsewhere (the interpreter: any small number exercises the paths
+    that split work across programs)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton import knobs
 
-from ..kernels import require_kernel_device
+from ..kernels import multiprocessors, require_kernel_device
 from .tree_verify import LOG2E, _merge_splits_kernel, _tree_verify_kernel
 
 BACKENDS = ("auto", "hopper", "triton")
@@ -18,13 +16,6 @@ BLOCK_M = 64  # query rows (node, head) per program
 BLOCK_N = 64  # keys per KV tile
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 256
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # interpreter: any small number exercises the split path
 
 
 def choose_num_splits(batch: int, rows: int, max_keys: int, device: torch.device, backend: str = "triton") -> int:
@@ -37,9 +28,9 @@ def choose_num_splits(batch: int, rows: int, max_keys: int, device: torch.device
     """
     tiles = max(batch * triton.cdiv(rows, BLOCK_M), 1)
     if backend == "hopper":
-        want, min_keys = _multiprocessors(device) // tiles, BLOCK_N
+        want, min_keys = multiprocessors(device) // tiles, BLOCK_N
     else:
-        want, min_keys = triton.cdiv(2 * _multiprocessors(device), tiles), MIN_KEYS_PER_SPLIT
+        want, min_keys = triton.cdiv(2 * multiprocessors(device), tiles), MIN_KEYS_PER_SPLIT
     return max(1, min(want, MAX_SPLITS, max_keys // min_keys))
 
 
@@ -159,7 +150,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, 
         out_desc = TensorDescriptor(flat, list(flat.shape), [VALUE_DIM, 1], [BLOCK_M, VALUE_DIM], layout)
     n_row_tiles = triton.cdiv(rows * heads, BLOCK_M)
     n_items = n_row_tiles * batch * num_splits
-    grid = (min(n_items, _multiprocessors(q.device)),)  # persistent: one program per multiprocessor
+    grid = (min(n_items, multiprocessors(q.device)),)  # persistent: one program per multiprocessor
     _tree_verify_hopper_kernel[grid](
         qn, qr, kn, kr, out_desc, block_table, prefix_lens, num_rows, visibility,
         part, part_lse,

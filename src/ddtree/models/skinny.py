@@ -15,15 +15,13 @@ batched over heads. The grid depends on the shapes only: CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton import knobs
 
-from ..kernels import require_kernel_device
+from ..kernels import multiprocessors, require_kernel_device
 from .fused_moe_kernels import _dot
 
 MAX_ROWS = 16  # rows per call: one tl.dot tile; larger batches go to cuBLAS, whose tiles fill the GPU
@@ -77,16 +75,11 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-
-
-def block_n_for(batch: int, n: int, multiprocessors: int) -> int:
+def block_n_for(batch: int, n: int, sms: int) -> int:
     """Output columns per program: the widest of 64, 32, 16 whose launch still has PROGRAMS_PER_SM
     programs per multiprocessor, else 16 (spread a small weight as thin as it goes)."""
     for block_n in (64, 32):
-        if batch * triton.cdiv(n, block_n) >= PROGRAMS_PER_SM * multiprocessors:
+        if batch * triton.cdiv(n, block_n) >= PROGRAMS_PER_SM * sms:
             return block_n
     return 16
 
@@ -125,7 +118,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         return out
     if depth == 0:
         return out.zero_()
-    block_n = block_n or block_n_for(batch, cols, _multiprocessors(x.device))
+    block_n = block_n or block_n_for(batch, cols, multiprocessors(x.device))
     block_k = block_k or min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
     _skinny_kernel[(triton.cdiv(cols, block_n), batch)](
         x, w, out, rows, cols, depth, *x.stride(), *w.stride(), *out.stride(),

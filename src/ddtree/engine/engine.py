@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from ..models import Drafter, Target, load_drafter, load_target
+from ..models import Drafter, Target
 from ..tree.types import MAX_TRITON_BUDGET
 from .batch import BatchState, SlotSettings
 from .generate import OfflineGeneration
-from .graphs import RoundGraphs
+from .graphs import RoundGraphs, graphs_wanted
 from .inflight import Flight, launch_copy
-from .loading import default_num_pages, load_tokenizer, stop_token_ids
+from .loading import default_num_pages, load_pair
 from .pages import BlockManager, KVCacheFull, pages_for
 from .prefill import PREFILL_FORMS, prefill
 from .request import MODES, Request, RequestOutput, StepOutput
@@ -86,15 +86,8 @@ class Engine(OfflineGeneration):
         self.timer = StageTimer(self.device, time_stages)
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
-        capturable = self.device.type == "cuda" and target.embed_tokens.weight.dtype == torch.bfloat16
-        if cuda_graphs is None:  # bf16 torch._grouped_mm runs on the device only on sm90 / sm100
-            cuda_graphs = capturable and torch.cuda.get_device_capability(self.device)[0] in (9, 10)
-        if cuda_graphs and not capturable:
-            # torch._grouped_mm runs natively in bf16 only; its float32 / fp16 fallback copies to
-            # the host, which a graph cannot hold (found on the H200)
-            raise ValueError(f"cuda_graphs needs a bf16 model on a CUDA device, got "
-                             f"{target.embed_tokens.weight.dtype} on {self.device}")
-        self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if cuda_graphs else None
+        use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
+        self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._requests: dict[str, Request] = {}
@@ -112,13 +105,8 @@ class Engine(OfflineGeneration):
             from ..demo import demo_pair
 
             target_dir, drafter_dir = demo_pair()
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        target = load_target(target_dir, dtype=dtype, device=device)
-        drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
-        tokenizer = load_tokenizer(target_dir, trust_remote_code)
-        if "stop_token_ids" not in engine_args:  # an explicit () means: no end-of-text tokens
-            engine_args["stop_token_ids"] = stop_token_ids(target_dir, tokenizer)
+        target, drafter, tokenizer, stops = load_pair(target_dir, drafter_dir, device, dtype, trust_remote_code)
+        engine_args.setdefault("stop_token_ids", stops)  # an explicit () means: no end-of-text tokens
         return cls(target, drafter, tokenizer, **engine_args)
 
     # -- requests ------------------------------------------------------------------------------

@@ -27,6 +27,18 @@ from .timing import StageTimer
 log = logging.getLogger("ddtree.engine")
 
 
+def graphs_wanted(cuda_graphs: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Engine's cuda_graphs switch resolved for a model of `dtype` on `device`: None turns graphs on
+    for bf16 on sm90 / sm100, where bf16 torch._grouped_mm runs on the device; True demands them.
+    Its float32 / fp16 fallback copies to the host, which a graph cannot hold (found on the H200)."""
+    capturable = device.type == "cuda" and dtype == torch.bfloat16
+    if cuda_graphs is None:
+        return capturable and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    if cuda_graphs and not capturable:
+        raise ValueError(f"cuda_graphs needs a bf16 model on a CUDA device, got {dtype} on {device}")
+    return bool(cuda_graphs)
+
+
 def graph_key_limit(key_limit: int | None, capacity: int) -> int | None:
     """The drafter key bound a graphed round uses: the next power of two >= key_limit (at most the
     capacity), so that a growing context needs a new graph only when its length doubles."""

@@ -1,4 +1,4 @@
-"""What Engine.from_pretrained reads besides the weights: tokenizer, stop tokens, cache sizing."""
+"""What Engine.from_pretrained reads: the pair's weights, tokenizer and stop tokens; cache sizing."""
 
 from __future__ import annotations
 
@@ -6,6 +6,20 @@ import json
 from pathlib import Path
 
 import torch
+
+def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, device=None, dtype: torch.dtype | None = None,
+              trust_remote_code: bool = False):
+    """(target, drafter or None, tokenizer or None, stop token ids) from Hugging Face directories.
+    device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU."""
+    from ..models import load_drafter, load_target
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    target = load_target(target_dir, dtype=dtype, device=device)
+    drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
+    tokenizer = load_tokenizer(target_dir, trust_remote_code)
+    return target, drafter, tokenizer, stop_token_ids(target_dir, tokenizer)
+
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 

@@ -6,7 +6,8 @@ besides the forward (metadata, sampling, commit, experts touched). Replay time a
 
 --kernels compares model paths in one run (models.switches.set_kernel_paths): "auto" (Triton
 kernels on CUDA, the default) and "reference" (PyTorch paths). Writes
-profile_round-<config>-b<B>-<ar|budget N>-<gpu>.{json,md}.
+profile_round-<config>-b<B>-<ar|budget<N>>-<gpu>.{json,md}. "Kernels" counts every GPU activity the
+profiler records in the replays (kernels, memcpy, memset), names cut at 120 characters.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ def all_reports() -> dict[str, dict]:
     pointers = dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16)
     reports = {}
     for block_n in (16, 32, 64):
-        linear = dict(stride_xk=1, stride_wk=1, stride_on=1, stride_xb=0, stride_wb=0, stride_ob=0)
+        linear = dict(stride_xk=1, stride_wk=1, stride_on=1)
         reports[f"linear_n{block_n}"] = compile_report(skinny._skinny_kernel, pointers,
                                                        dict(tiles, BLOCK_N=block_n, **linear), **gemm,
                                                        not_divisible=("N",))

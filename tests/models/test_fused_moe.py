@@ -334,6 +334,21 @@ def test_moe_switch_on_cpu(monkeypatch):
     assert moe.w_down.grad is not None and len(calls) == 1
 
 
+def test_fused_path_refuses_a_forward_that_trains_only_the_shared_experts():
+    """The fused path reads the shared MLP's weights too: a gradient wanted for them alone must
+    not be dropped silently (forced: an error; automatic: the grouped path keeps autograd)."""
+    moe = make_moe(torch.float32)
+    for p in (moe.w_gate_up, moe.w_down, *moe.gate.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(3, 72)
+    moe.fused = True
+    with pytest.raises(RuntimeError, match="no backward"):
+        moe(x)
+    moe.fused = None
+    moe(x).sum().backward()
+    assert moe.shared_experts.down_proj.weight.grad is not None
+
+
 @pytest.mark.cuda
 @torch.no_grad()
 def test_moe_on_cuda_takes_the_fused_path_up_to_the_threshold(monkeypatch):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.models import TargetConfig, joint, random_target
+from ddtree.models import TargetConfig, joint, random_target, skinny
 from ddtree.models.norm import RMSNorm
 from ddtree.models.paged import ForwardMeta
 from ddtree.models.target import MLA, Target
@@ -70,6 +70,39 @@ def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, mo
         torch.testing.assert_close(g, w, **TOL[dtype])
     for g, w in zip(fused_caches, caches):
         torch.testing.assert_close(g, w, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_more_rows_than_the_decode_kernels_take_equal_reference(dtype, monkeypatch, kernel_device):
+    """2 x 9 rows (more than skinny.MAX_ROWS): the kernel path's cuBLAS GEMMs and its three
+    launches for the query and the entries equal the PyTorch path."""
+    model = random_target(tiny(None, True), dtype=dtype, std=0.1, device=kernel_device)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2)).to(kernel_device)
+    meta = ForwardMeta(**{k: v.to(kernel_device) for k, v in vars(chain_meta([0, 0], 9, [9, 6])).items()})
+    assert ids.numel() > skinny.MAX_ROWS
+    caches, kernel_caches = model.new_cache(6, PAGE), model.new_cache(6, PAGE)
+    want, want_hidden = forward(model, ids, meta, caches, False, monkeypatch)
+    got, hidden = forward(model, ids, meta, kernel_caches, True, monkeypatch)
+    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
+    torch.testing.assert_close(got[1, :6], want[1, :6], **TOL[dtype])
+    for g, w in zip(hidden, want_hidden):
+        torch.testing.assert_close(g[0], w[0], **TOL[dtype])
+    for g, w in zip(kernel_caches, caches):
+        torch.testing.assert_close(g, w, **TOL[dtype])
+
+
+def test_the_kernel_path_refuses_a_forward_that_trains_o_proj_alone(monkeypatch):
+    """The decode kernels read every MLA projection: a gradient wanted for o_proj alone must not be
+    dropped silently."""
+    model = random_target(tiny(None, True), dtype=torch.float32, std=0.1)
+    model.requires_grad_(False)
+    attn = model.layers[0].self_attn
+    attn.o_proj.weight.requires_grad_(True)
+    monkeypatch.setattr(MLA, "fused", True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        attn.uses_kernels(torch.zeros(1, 1, 48))
+    monkeypatch.setattr(MLA, "fused", None)
+    assert not attn.uses_kernels(torch.zeros(1, 1, 48))
 
 
 def test_joint_projection_keeps_names_and_values():

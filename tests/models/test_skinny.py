@@ -74,5 +74,7 @@ def test_rejects_bad_inputs(kernel_device):
         skinny_matmul(x[:, :2], torch.zeros(1, 7, 4, device=kernel_device))
     with pytest.raises(TypeError, match="w the same"):
         skinny_matmul(x[:, :2], torch.zeros(1, 8, 4, dtype=torch.float16, device=kernel_device))
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        skinny_matmul(x[:, :2], torch.zeros(1, 8, 4, device=kernel_device), block_n=24)
     with pytest.raises(ValueError, match="out must be torch.float32"):
         skinny_matmul(x[:, :2], torch.zeros(1, 8, 4, device=kernel_device), torch.zeros(1, 2, 5, device=kernel_device))

@@ -77,9 +77,10 @@ def absorbed_query(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor, norm_w
         raise ValueError(f"q must be {kv.dtype} [T={rows}, H, nope + {rope}] with unit last stride on {kv.device}, "
                          f"got {q.dtype} {list(q.shape)} strides {q.stride()}")
     heads, nope = q.shape[1], q.shape[2] - rope
-    if tuple(w_uk.shape) != (heads, nope, latent) or w_uk.stride(-1) != 1 or w_uk.dtype != q.dtype:
-        raise ValueError(f"w_uk must be {q.dtype} [{heads}, {nope}, {latent}] with unit last stride, got "
-                         f"{w_uk.dtype} {list(w_uk.shape)} strides {w_uk.stride()}")
+    if (tuple(w_uk.shape) != (heads, nope, latent) or w_uk.stride(-1) != 1 or w_uk.dtype != q.dtype
+            or w_uk.device != q.device):
+        raise ValueError(f"w_uk must be {q.dtype} [{heads}, {nope}, {latent}] with unit last stride on {q.device}, "
+                         f"got {w_uk.dtype} {list(w_uk.shape)} strides {w_uk.stride()} on {w_uk.device}")
     if rows > MAX_ROWS:
         raise ValueError(f"absorbed_query takes at most {MAX_ROWS} rows, got {rows}")
     require_kernel_device(q.device, "absorbed_query")

@@ -2,9 +2,11 @@
 expert's weights read once per block of its rows, only for the experts the tokens chose.
 
     align_by_expert      (token, choice) pairs grouped by expert, padded to blocks of BLOCK_M
-    _gate_up_kernel      h[p] = silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]) per pair p = (t, choice), e = ids[p]
-    _down_kernel         y[p] = weights[p] * (h[p] @ Wd[e]), float32
-    _sum_choices_kernel  out[t] = y[t, 0] + y[t, 1] + ... + y[t, k-1], in that order (no atomics)
+    _gate_up_kernel      h[p] = silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]) per pair p = (t, choice), e = ids[p];
+                         shared expert s of token t: row P + s * T + t, its own weights
+    _down_kernel         y[p] = weights[p] * (h[p] @ Wd[e]), float32; shared rows with weight 1
+    _sum_choices_kernel  out[t] = y[t, 0] + ... + y[t, k-1] + y[P + t] + ... + y[P + (S-1) * T + t],
+                         in that order (no atomics)
 
 The shared experts (DeepSeek-V3's n_shared_experts, one MLP of S x the routed width) ride in the
 same three launches as S more experts that every token takes with weight 1, read in place from the

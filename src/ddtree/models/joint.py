@@ -37,8 +37,11 @@ def joint_weight(first: nn.Linear, second: nn.Linear) -> torch.Tensor | None:
 
 def both(first: nn.Linear, second: nn.Linear, x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
     """(first(x), second(x)) for x [..., in]: one GEMM over the joint view when there is one.
-    `linear(x, weight)` computes it (skinny.linear on a decode step's kernel path)."""
+    `linear(x, weight)` computes it (skinny.linear on a decode step's kernel path; it reads the
+    weights only, so it is for bias-free projections)."""
     joint = joint_weight(first, second)
-    if joint is None:
+    if joint is None:  # the modules themselves, unless another GEMM was asked for
+        if linear is F.linear:
+            return first(x), second(x)
         return linear(x, first.weight), linear(x, second.weight)
     return linear(x, joint).split([first.weight.shape[0], second.weight.shape[0]], dim=-1)

@@ -170,7 +170,9 @@ class MoE(nn.Module):
         return SharedExperts(*weights)
 
     def _use_fused(self, x: torch.Tensor, weights: torch.Tensor) -> bool:
-        chosen = use_kernel(self.fused, "MoE.fused", x, weights, self.w_gate_up, self.w_down)
+        # The fused path reads the shared MLP's weights too: autograd on any of them keeps PyTorch.
+        shared = self.shared_experts.parameters() if self.shared_experts is not None else ()
+        chosen = use_kernel(self.fused, "MoE.fused", x, weights, self.w_gate_up, self.w_down, *shared)
         if self.fused is None:  # the automatic choice also wants few rows of a kernel dtype
             return (chosen and x.shape[0] <= FUSED_MAX_TOKENS and weights.numel() <= MAX_PAIRS
                     and x.dtype in FUSED_DTYPES)

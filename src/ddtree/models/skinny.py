@@ -5,7 +5,7 @@ At M = 1 cuBLAS picks 64 x 8 output tiles: MLA's q / kv_a projection (N = 3648 a
 shape) runs on 57 thread blocks, o_proj (N = 2048) on 32 and the router (N = 64) on one, so at
 most half the H200's 132 multiprocessors stream the weight (profile in docs/notes/engine_speed.md).
 Here each program owns BLOCK_N output columns for all rows (M <= 16: one tl.dot tile) and the
-column block shrinks until the launch has about a program per multiprocessor.
+column block shrinks (64, 32, 16) until the launch has PROGRAMS_PER_SM programs per multiprocessor.
 
     out[b, m, n] = sum_k x[b, m, k] * w[b, k, n]     (float32 accumulation, one rounding)
 
@@ -14,6 +14,8 @@ batched over heads. The grid depends on the shapes only: CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +26,8 @@ from triton import knobs
 from ..kernels import multiprocessors, require_kernel_device
 from .fused_moe_kernels import _dot
 
-MAX_ROWS = 16  # rows per call: one tl.dot tile; larger batches go to cuBLAS, whose tiles fill the GPU
 BLOCK_M = 16
+MAX_ROWS = BLOCK_M  # rows per call: one tl.dot tile; larger batches go to cuBLAS, whose tiles fill the GPU
 # From an H200 sweep at Moonlight and Kimi K2 decode shapes (block_n 16-64, block_k 128-512, 3 or 5
 # stages, 2 or 4 warps): 512-deep K steps, 3 stages and 2 warps were fastest or close in most.
 BLOCK_K = 512
@@ -120,6 +122,9 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         return out.zero_()
     block_n = block_n or block_n_for(batch, cols, multiprocessors(x.device))
     block_k = block_k or min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
+    for name, size in (("block_n", block_n), ("block_k", block_k)):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
     _skinny_kernel[(triton.cdiv(cols, block_n), batch)](
         x, w, out, rows, cols, depth, *x.stride(), *w.stride(), *out.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -133,7 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | No
     """F.linear(x, weight) (no bias) for x [..., K] and weight [N, K]: skinny_matmul when x has at
     most MAX_ROWS rows, else cuBLAS (torch.mm with out_dtype where one is asked; on the CPU, the
     GEMM in out_dtype). Returns [..., N] in out_dtype (default x.dtype)."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if rows.shape[0] > MAX_ROWS:
         if out_dtype is None or out_dtype == x.dtype:
             return F.linear(x, weight)

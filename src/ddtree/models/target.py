@@ -122,8 +122,9 @@ class MLA(nn.Module):
                                           cfg.kv_lora_rank)
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether forward_paged takes the kernel path (the `fused` switch) for input x."""
-        return use_kernel(self.fused, "MLA.fused", x, self.kv_b_proj.weight)
+        """Whether forward_paged takes the kernel path (the `fused` switch) for input x. The kernels
+        read every projection's weight, so autograd on any of them keeps the PyTorch path."""
+        return use_kernel(self.fused, "MLA.fused", x, *self.parameters())
 
     def attend_projected(self, q: torch.Tensor, kv: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor,
                          rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

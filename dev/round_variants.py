@@ -1,8 +1,9 @@
 """Dev: one graphed engine round under variants of module constants, each timed and profiled in one
 process (benchmarks/profile_round.py is the committed benchmark). Run from the repository root
 with PYTHONPATH=src:benchmarks.
-usage: profile_round.py OUT.json BATCH BUDGET variant [variant ...]; a variant is
-comma-separated key=value: skinny=0|1, narrow=NxK, stages=S (fused MoE), or 'base'."""
+usage: round_variants.py OUT.json BATCH BUDGET variant [variant ...]; a variant is
+comma-separated key=value: skinny=0|1, merge=0|1 (merge_project.FUSE_MERGE), narrow=NxK,
+stages=S (fused MoE), or 'base'."""
 import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -10,14 +11,15 @@ sys.path.insert(0, "benchmarks")
 from round_setup import PrefixBatch, build_pair
 from ddtree.engine.round import RoundPlan, run_round
 from ddtree.engine.timing import StageTimer
-from ddtree.models import fused_moe, skinny
+from ddtree.models import fused_moe, merge_project, skinny
 
 out, batch, budget, variants = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] or ["base"]
 dev = torch.device("cuda")
-defaults = dict(max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
+defaults = dict(merge=merge_project.FUSE_MERGE, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
 
 def apply(variant):
     skinny.MAX_ROWS = defaults["max_rows"]
+    merge_project.FUSE_MERGE = defaults["merge"]
     fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = defaults["narrow"], defaults["stages"]
     fused_moe.BLOCK_N, fused_moe.BLOCK_K = defaults["wide"]
     if variant == "base":
@@ -26,6 +28,8 @@ def apply(variant):
         k, v = kv.split("=")
         if k == "skinny":
             skinny.MAX_ROWS = defaults["max_rows"] if v == "1" else 0
+        elif k == "merge":
+            merge_project.FUSE_MERGE = v == "1"
         elif k == "narrow":
             fused_moe.NARROW_TILES = tuple(int(a) for a in v.split("x"))
         elif k == "wide":

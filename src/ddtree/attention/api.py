@@ -178,6 +178,7 @@ def tree_verify_mla(
     block_n: int = BLOCK_N,
     num_warps: int = 8,
     num_stages: int = 2,
+    merge: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form MLA attention of every draft-tree node over its prefix and its ancestors.
 
@@ -199,7 +200,11 @@ def tree_verify_mla(
     backend:      "hopper" (Gluon: TMA + warpgroup MMAs, sm_90 only), "triton" (portable, and the
                   one the interpreter runs) or "auto" (hopper where hopper_unsupported says it can).
     block_n, num_warps, num_stages: tuning of the triton backend (keys per tile, warps, stages).
-    Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
+    merge:        False: skip the split merge and return the per-split partials instead, for a
+                  consumer that merges them itself (models/merge_project.py).
+    Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log); with merge
+    False, part [B, N, H, S, 512] (float32, or q's dtype when S = 1) and part_lse float32
+    [B, N, H, S], S = num_splits, each split normalized over its own keys.
     """
     _check(q, kv_cache, block_table, prefix_lens, num_rows, visibility)
     if backend not in BACKENDS:
@@ -229,7 +234,7 @@ def tree_verify_mla(
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
     if batch * rows * heads == 0:
-        return out, lse
+        return (out.unsqueeze(3), lse.unsqueeze(3)) if not merge else (out, lse)
     if num_splits == 1:
         part, part_lse = out.unsqueeze(3), lse.unsqueeze(3)
     else:
@@ -241,6 +246,8 @@ def tree_verify_mla(
     else:
         _launch_triton(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                        softmax_scale, num_splits, block_n, num_warps, num_stages)
+    if not merge:
+        return part, part_lse
     if num_splits > 1:
         _merge_splits_kernel[(batch * rows * heads,)](
             part, part_lse, out, lse, num_splits,

@@ -8,7 +8,7 @@ One 1-D grid, three kinds of program, told apart by their id:
     [G + T * H, + T)    cache[slot[t]] = [RMSNorm(kv[t, :C]), rotate(kv[t, C:])]      (fused_mla._latent_entry)
 
 The rotary and the cache entries run the same code per element as the separate kernels; the GEMM
-is skinny_matmul's tile (tests/models/test_absorbed_query.py compares all three).
+is skinny_matmul's tile (fused_moe_kernels._matmul_tile) (tests/models/test_absorbed_query.py compares all three).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from ..kernels import require_kernel_device
 from .fused_mla import _latent_entry, _rotate, check_latent_inputs
-from .skinny import BLOCK_M, MAX_ROWS, NUM_STAGES, NUM_WARPS, _skinny_tile
+from .fused_moe_kernels import _matmul_tile, dot_flags
+from .skinny import BLOCK_M, MAX_ROWS, NUM_STAGES, NUM_WARPS, block_k_for
 
 BLOCK_N = 32  # latent columns per GEMM program: 16 heads x 512 / 32 = 256 programs at Moonlight's shape
 
@@ -45,7 +45,7 @@ def _absorbed_query_kernel(
         n_ok = offs_n < latent
         x_ptrs = q_ptr + offs_m[:, None] * stride_qt + h * stride_qh + offs_k[None, :]
         w_ptrs = w_ptr + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :]
-        acc = _skinny_tile(x_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, m_ok, n_ok, nope,
+        acc = _matmul_tile(x_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, m_ok, n_ok, nope,
                            BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
         y_ptrs = query_ptr + offs_m[:, None] * stride_yt + h * stride_yh + offs_n[None, :]
         tl.store(y_ptrs, acc.to(query_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -95,8 +95,6 @@ def absorbed_query(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor, norm_w
         kv.stride(0), cos.stride(0),
         HALF=rope // 2, BLOCK_HALF=triton.next_power_of_2(rope // 2), BLOCK_C=triton.next_power_of_2(latent),
         INTERLEAVE=interleave, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=min(512, max(16, triton.next_power_of_2(nope))),
-        DOT_F32=q.dtype == torch.bfloat16 and knobs.runtime.interpret,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_K=block_k_for(nope), **dot_flags(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return query

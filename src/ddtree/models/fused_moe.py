@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from triton import knobs
 
 from ..kernels import require_kernel_device
-from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _sum_choices_kernel
+from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _sum_choices_kernel, dot_flags
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
 # Tiles measured on the H200 (benchmarks/moe_paths.py, results/moe_paths-nvidia-h200.md), six
@@ -209,8 +208,7 @@ def _launch(x, w_gate_up, w_down, weights, blocks: ExpertBlocks, ws: Workspace, 
     token_blocks = triton.cdiv(tokens, blocks.block_m)
     programs = routed_blocks + num_shared * token_blocks  # shared programs follow the routed blocks
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (w_gate_up,) * 3
-    flags = dict(DOT_F32=x.dtype == torch.bfloat16 and knobs.runtime.interpret,
-                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32")  # tf32: ignored for 16-bit inputs
+    flags = dot_flags(x.dtype)
     tiles = dict(BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, w_gate_up, blocks.sorted_pairs, blocks.block_expert, ws.h, gate, up,

@@ -10,8 +10,17 @@ weights in place, [out, in] with `in` contiguous, where the routed experts' are 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from triton import knobs
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """The constexprs of _dot for inputs of `dtype`: DOT_F32 (bf16 under the interpreter) and
+    PRECISION ("ieee" for float32; "tf32" is ignored for 16-bit inputs)."""
+    return dict(DOT_F32=dtype == torch.bfloat16 and knobs.runtime.interpret,
+                PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
 @triton.jit
@@ -44,17 +53,18 @@ def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
 
 
 @triton.jit
-def _matmul_tile(a_ptrs, w_ptrs, w_step, row_ok, col_ok, depth,
+def _matmul_tile(a_ptrs, w_ptrs, a_step, w_step, row_ok, col_ok, depth,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """a @ W for one [BLOCK_M, BLOCK_N] tile over `depth`, float32; pointers at k = 0."""
+    """a @ W for one [BLOCK_M, BLOCK_N] tile over `depth`, float32; pointers at k = 0, each K step
+    advancing them by a_step and w_step (also skinny.py's and absorbed_query.py's GEMM tile)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
         k_ok = offs_k < depth - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _dot(a, tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc, DOT_F32, PRECISION)
-        a_ptrs += BLOCK_K
+        a_ptrs += a_step
         w_ptrs += w_step
     return acc
 
@@ -122,8 +132,8 @@ def _down_kernel(
             row_ok = pair < num_pairs
             pair = tl.where(row_ok, pair, 0).to(tl.int64)
             w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
-            acc = _matmul_tile(h_ptr + pair[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K * stride_wk,
-                               row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+            acc = _matmul_tile(h_ptr + pair[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K,
+                               BLOCK_K * stride_wk, row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
             weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
             tl.store(y_ptr + pair[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
                      mask=row_ok[:, None] & col_ok[None, :])
@@ -132,7 +142,7 @@ def _down_kernel(
         row = num_pairs + shared * num_tokens + token
         # The shared down weight is [hidden, S * inter]: expert s's columns s * inter .. + inter - 1.
         w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
-        acc = _matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K,
+        acc = _matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
                            row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
         tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 

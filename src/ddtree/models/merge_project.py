@@ -19,10 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from ..kernels import require_kernel_device
-from .fused_moe_kernels import _dot
+from .fused_moe_kernels import _dot, dot_flags
 from .skinny import BLOCK_M, MAX_ROWS, NUM_STAGES, NUM_WARPS
 
 FUSE_MERGE = False  # absorbed_attention's switch, until an H200 run says it pays
@@ -108,7 +107,6 @@ def merge_project(part: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Tensor
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
         *w_uv.stride(), out.stride(0), out.stride(1),
         SPLITS=triton.next_power_of_2(splits), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_F32=w_uv.dtype == torch.bfloat16 and knobs.runtime.interpret,
-        PRECISION="ieee" if w_uv.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **dot_flags(w_uv.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

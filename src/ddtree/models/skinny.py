@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton import knobs
 
 from ..kernels import multiprocessors, require_kernel_device
-from .fused_moe_kernels import _dot
+from .fused_moe_kernels import _matmul_tile, dot_flags
 
 BLOCK_M = 16
 MAX_ROWS = BLOCK_M  # rows per call: one tl.dot tile; larger batches go to cuBLAS, whose tiles fill the GPU
@@ -35,24 +34,6 @@ NUM_WARPS = 2
 NUM_STAGES = 3
 PROGRAMS_PER_SM = 4  # block_n_for: keep narrowing the column block until the launch has this many
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _skinny_tile(x_ptrs, w_ptrs, x_step, w_step, m_ok, n_ok, K,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """x @ w for one [BLOCK_M, BLOCK_N] tile over depth K, float32; pointers at k = 0, each K step
-    advancing them by x_step and w_step."""
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(a, w, acc, DOT_F32, PRECISION)
-        x_ptrs += x_step
-        w_ptrs += w_step
-    return acc
 
 
 @triton.jit
@@ -71,7 +52,7 @@ def _skinny_kernel(
     n_ok = offs_n < N
     x_ptrs = x_ptr + b * stride_xb + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + b * stride_wb + offs_k[:, None] * stride_wk + offs_n[None, :].to(tl.int64) * stride_wn
-    acc = _skinny_tile(x_ptrs, w_ptrs, BLOCK_K * stride_xk, BLOCK_K * stride_wk, m_ok, n_ok, K,
+    acc = _matmul_tile(x_ptrs, w_ptrs, BLOCK_K * stride_xk, BLOCK_K * stride_wk, m_ok, n_ok, K,
                        BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
     out_ptrs = out_ptr + b * stride_ob + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -84,6 +65,11 @@ def block_n_for(batch: int, n: int, sms: int) -> int:
         if batch * triton.cdiv(n, block_n) >= PROGRAMS_PER_SM * sms:
             return block_n
     return 16
+
+
+def block_k_for(depth: int) -> int:
+    """K step: BLOCK_K, or the depth's power of two (at least 16) when the depth is smaller."""
+    return min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
 
 
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -121,15 +107,14 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     if depth == 0:
         return out.zero_()
     block_n = block_n or block_n_for(batch, cols, multiprocessors(x.device))
-    block_k = block_k or min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
+    block_k = block_k or block_k_for(depth)
     for name, size in (("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
     _skinny_kernel[(triton.cdiv(cols, block_n), batch)](
         x, w, out, rows, cols, depth, *x.stride(), *w.stride(), *out.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_F32=x.dtype == torch.bfloat16 and knobs.runtime.interpret,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        **dot_flags(x.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -60,18 +60,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
-        if not self.uses_kernels(x):
+        if not use_kernel(self.fused, "Router.fused", x, self.weight):
             return self._reference(self._logits(x))
-        return self.route(self._logits(x, skinny.linear))
-
-    def uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether forward takes the kernel path (the `fused` switch) for input x."""
-        return use_kernel(self.fused, "Router.fused", x, self.weight)
-
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel path after the GEMM: logits float32 [T, E] -> (weights float32 [T, k], ids int64 [T, k])."""
         cfg = self.cfg
-        return fused_route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
+        return fused_route(self._logits(x, skinny.linear), self.e_score_correction_bias, cfg.num_experts_per_tok,
                            scoring_func=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
                            topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
                            routed_scaling_factor=cfg.routed_scaling_factor)

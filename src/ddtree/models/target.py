@@ -126,25 +126,18 @@ class MLA(nn.Module):
         read every projection's weight, so autograd on any of them keeps the PyTorch path."""
         return use_kernel(self.fused, "MLA.fused", x, *self.parameters())
 
-    def attend_projected(self, q: torch.Tensor, kv: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor,
-                         rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Kernel path from project's outputs q [B, N, H, qk], kv [B, N, C + rope]: writes the new
-        cache entries, attends in absorbed form, returns o_proj's output [B, N, hidden]."""
-        b, n = q.shape[:2]
-        norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
-        out = absorbed_attention(q, kv, self.absorbed_weight(), norm, meta, cache, rope, self.scale,
-                                 self.cfg.rope_interleave)
-        return skinny.linear(out.view(b, n, -1), self.o_proj.weight)
-
     def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor,
                       rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Absorbed form over the paged cache: writes the new entries, then attends (verify / decode)."""
         cfg = self.cfg
-        if self.uses_kernels(x):  # a decode step's GEMMs on skinny's few-row kernel
-            return self.attend_projected(*self.project(x, skinny.linear), meta, cache, rope)
         b, n, _ = x.shape
-        q, kv = self.project(x)
         w = self.absorbed_weight()
+        if self.uses_kernels(x):  # a decode step's GEMMs run skinny's few-row kernel
+            q, kv = self.project(x, skinny.linear)
+            norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+            out = absorbed_attention(q, kv, w, norm, meta, cache, rope, self.scale, cfg.rope_interleave)
+            return skinny.linear(out.view(b, n, -1), self.o_proj.weight)
+        q, kv = self.project(x)
         q_nope, q_rope, entries = self.rotated(q, kv, rope)
         write_entries(cache, entries, meta)
         q_latent = torch.einsum("bnhk,hkc->bnhc", q_nope, w[:, : cfg.qk_nope_head_dim])  # W_UK absorbed

@@ -2,8 +2,9 @@
 process (benchmarks/profile_round.py is the committed benchmark). Run from the repository root
 with PYTHONPATH=src:benchmarks.
 usage: round_variants.py OUT.json BATCH BUDGET variant [variant ...]; a variant is
-comma-separated key=value: skinny=0|1, merge=0|1 (merge_project.FUSE_MERGE), narrow=NxK,
-stages=S (fused MoE), or 'base'."""
+comma-separated key=value: skinny=0|1, merge=0|1 (merge_project.FUSE_MERGE), pdl=0|1
+(ddtree.pdl.ENABLED), direct=0|1 (fused_moe.DIRECT_MAX_TOKENS 0 or 1), narrow=NxK, stages=S (fused MoE),
+or 'base'."""
 import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -11,15 +12,17 @@ sys.path.insert(0, "benchmarks")
 from round_setup import PrefixBatch, build_pair
 from ddtree.engine.round import RoundPlan, run_round
 from ddtree.engine.timing import StageTimer
+from ddtree import pdl
 from ddtree.models import fused_moe, merge_project, skinny
 
 out, batch, budget, variants = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] or ["base"]
 dev = torch.device("cuda")
-defaults = dict(merge=merge_project.FUSE_MERGE, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
+defaults = dict(pdl=pdl.ENABLED, direct=fused_moe.DIRECT_MAX_TOKENS, merge=merge_project.FUSE_MERGE, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
 
 def apply(variant):
     skinny.MAX_ROWS = defaults["max_rows"]
     merge_project.FUSE_MERGE = defaults["merge"]
+    pdl.ENABLED, fused_moe.DIRECT_MAX_TOKENS = defaults["pdl"], defaults["direct"]
     fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = defaults["narrow"], defaults["stages"]
     fused_moe.BLOCK_N, fused_moe.BLOCK_K = defaults["wide"]
     if variant == "base":
@@ -30,6 +33,10 @@ def apply(variant):
             skinny.MAX_ROWS = defaults["max_rows"] if v == "1" else 0
         elif k == "merge":
             merge_project.FUSE_MERGE = v == "1"
+        elif k == "pdl":
+            pdl.ENABLED = v == "1"
+        elif k == "direct":
+            fused_moe.DIRECT_MAX_TOKENS = int(v)
         elif k == "narrow":
             fused_moe.NARROW_TILES = tuple(int(a) for a in v.split("x"))
         elif k == "wide":

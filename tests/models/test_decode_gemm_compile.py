@@ -25,3 +25,4 @@ def test_no_spills_tensor_cores_and_pipelined_loads(reports):
         if name != "merge_project":  # its partials are summed in registers before the MMA: plain loads
             assert report["async_copies"] > 0, (name, report)
         assert report["shared"] <= 232448, (name, report)
+        assert report["pdl_waits"] >= 1, (name, report)  # launched with PDL (ddtree.pdl): waits first

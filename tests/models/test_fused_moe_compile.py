@@ -22,8 +22,16 @@ def test_no_kernel_spills(reports):
 
 
 def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
-    for name in ("gate_up", "down"):
+    for name in ("gate_up", "down", "gate_up_direct", "down_direct"):
         report = reports[name]
         assert report["mma"] > 0, (name, report)
         assert report["async_copies"] > 0, (name, report)  # loads of the next K step overlap the MMAs
         assert report["shared"] <= 232448, (name, report)  # the sm_90 opt-in limit per block (227 KB)
+
+
+def test_every_kernel_waits_for_its_producer_first(reports):
+    """Launched with programmatic dependent launch on the H200 (ddtree.pdl): each kernel's PTX has
+    the grid-dependency wait that keeps it from reading its inputs before the previous kernel ends."""
+    assert set(reports) == {"align", "gate_up", "down", "gate_up_direct", "down_direct", "sum"}
+    for name, report in reports.items():
+        assert report["pdl_waits"] >= 1, (name, report)

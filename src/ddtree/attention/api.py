@@ -7,6 +7,7 @@ import triton
 from triton import knobs
 
 from ..kernels import multiprocessors, require_kernel_device
+from ..pdl import launch_flags
 from .tree_verify import LOG2E, _merge_splits_kernel, _tree_verify_kernel
 
 BACKENDS = ("auto", "hopper", "triton")
@@ -251,7 +252,7 @@ def tree_verify_mla(
     if num_splits > 1:
         _merge_splits_kernel[(batch * rows * heads,)](
             part, part_lse, out, lse, num_splits,
-            D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+            D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **launch_flags(q.device),
         )
     return out, lse
 

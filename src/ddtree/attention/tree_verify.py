@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..pdl import wait_for_producers
+
 LOG2E = 1.4426950408889634  # 1 / ln 2
 
 
@@ -105,9 +107,10 @@ def _tree_verify_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
-    D_V: tl.constexpr, SPLITS: tl.constexpr,
+    D_V: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per (b, n, h) row; partials [rows, splits, D_V] float32, contiguous.
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SPLITS)
     offs_v = tl.arange(0, D_V)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import require_kernel_device
+from ..pdl import launch_flags, wait_for_producers
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -47,8 +48,9 @@ def _rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, HALF: tl.constexpr, BLOCK_HALF: tl
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVE: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     _rotate(x_ptr + t * stride_xt + h * stride_xh, cos_ptr + t * stride_ct, sin_ptr + t * stride_ct,
@@ -79,7 +81,9 @@ def _latent_entry_kernel(
     latent_dim, eps,
     stride_kvt, stride_ct,
     HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     _latent_entry(tl.program_id(0).to(tl.int64), kv_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr, latent_dim,
                   eps, stride_kvt, stride_ct, HALF, BLOCK_C, BLOCK_HALF, INTERLEAVE)
 
@@ -119,6 +123,7 @@ def rotary_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
             x, cos, sin, out,
             x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
             HALF=width // 2, BLOCK_HALF=triton.next_power_of_2(width // 2), INTERLEAVE=interleave, num_warps=1,
+            **launch_flags(x.device),
         )
     return out
 
@@ -169,5 +174,5 @@ def write_latent_entries(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos
             latent, eps,
             kv.stride(0), cos.stride(0),
             HALF=rope // 2, BLOCK_C=triton.next_power_of_2(latent), BLOCK_HALF=triton.next_power_of_2(rope // 2),
-            INTERLEAVE=interleave, num_warps=4,
+            INTERLEAVE=interleave, num_warps=4, **launch_flags(kv.device),
         )

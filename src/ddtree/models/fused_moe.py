@@ -25,6 +25,7 @@ import torch
 import triton
 
 from ..kernels import require_kernel_device
+from ..pdl import launch_flags
 from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _sum_choices_kernel, dot_flags
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
@@ -42,6 +43,10 @@ MIN_PROGRAMS = 128
 NUM_WARPS = 4
 NUM_STAGES = 3
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
+# Up to this many tokens the kernels skip the alignment and run one program per (token, choice)
+# pair: one token's choices are distinct experts, so no weight is read twice, and a decode step
+# saves the alignment's launch. 0 turns it off.
+DIRECT_MAX_TOKENS = 1
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -196,32 +201,37 @@ def fused_moe(
         return out
     if top_k == 0 and num_shared == 0:
         return out.zero_()
-    blocks = align_by_expert(ids, experts, block_m, out=(workspace.sorted_pairs, workspace.block_expert))
-    _launch(x, w_gate_up, w_down, weights, blocks, workspace, out, shared, num_shared, block_n, block_k)
+    blocks = None  # direct: pair p's program reads its expert from ids itself
+    if tokens > DIRECT_MAX_TOKENS:
+        blocks = align_by_expert(ids, experts, block_m, out=(workspace.sorted_pairs, workspace.block_expert))
+    _launch(x, w_gate_up, w_down, weights, ids, blocks, workspace, out, shared, num_shared, block_m, block_n, block_k)
     return out
 
 
-def _launch(x, w_gate_up, w_down, weights, blocks: ExpertBlocks, ws: Workspace, out, shared, num_shared,
-            block_n, block_k) -> None:
-    (tokens, hidden), (_, inter, _) = x.shape, w_down.shape
-    routed_blocks, top_k = blocks.block_expert.numel(), weights.shape[1]
-    token_blocks = triton.cdiv(tokens, blocks.block_m)
+def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws: Workspace, out, shared,
+            num_shared, block_m, block_n, block_k) -> None:
+    """The three kernels; blocks None: direct mode, one routed program per pair, experts from ids."""
+    (tokens, hidden), (experts, inter, _) = x.shape, w_down.shape
+    top_k, num_pairs = weights.shape[1], ids.numel()
+    routed_blocks = num_pairs if blocks is None else blocks.block_expert.numel()
+    block_expert = ids if blocks is None else blocks.block_expert
+    token_blocks = triton.cdiv(tokens, block_m)
     programs = routed_blocks + num_shared * token_blocks  # shared programs follow the routed blocks
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (w_gate_up,) * 3
-    flags = dot_flags(x.dtype)
-    tiles = dict(BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, **launch_flags(x.device))
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
-        x, w_gate_up, blocks.sorted_pairs, blocks.block_expert, ws.h, gate, up,
-        blocks.num_pairs, tokens, top_k, hidden, inter, routed_blocks, token_blocks,
+        x, w_gate_up, ws.sorted_pairs, block_expert, ws.h, gate, up,
+        num_pairs, experts, tokens, top_k, hidden, inter, routed_blocks, token_blocks,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws.h.stride(0), gate.stride(0),
         **tiles, **flags,
     )
     _down_kernel[(programs, triton.cdiv(hidden, block_n))](
-        ws.h, w_down, weights, blocks.sorted_pairs, blocks.block_expert, ws.y, down,
-        blocks.num_pairs, tokens, inter, hidden, routed_blocks, token_blocks,
+        ws.h, w_down, weights, ws.sorted_pairs, block_expert, ws.y, down,
+        num_pairs, experts, tokens, inter, hidden, routed_blocks, token_blocks,
         ws.h.stride(0), w_down.stride(0), w_down.stride(1), ws.y.stride(0), down.stride(0),
         **tiles, **flags,
     )
     _sum_choices_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        ws.y, out, hidden, blocks.num_pairs, tokens, TOP_K=top_k, SHARED=num_shared, BLOCK=SUM_BLOCK,
-        num_warps=NUM_WARPS)
+        ws.y, out, hidden, num_pairs, tokens, TOP_K=top_k, SHARED=num_shared, BLOCK=SUM_BLOCK,
+        num_warps=NUM_WARPS, **launch_flags(x.device))

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from ..pdl import wait_for_producers
+
 
 def dot_flags(dtype: torch.dtype) -> dict:
     """The constexprs of _dot for inputs of `dtype`: DOT_F32 (bf16 under the interpreter) and
@@ -70,6 +72,22 @@ def _matmul_tile(a_ptrs, w_ptrs, a_step, w_step, row_ok, col_ok, depth,
 
 
 @triton.jit
+def _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts,
+                  BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, pairs [BLOCK_M]) of routed program pid_m; expert -1: nothing to do. DIRECT: one
+    pair per program, pair pid_m, and block_expert_ptr is the router's ids itself (no alignment:
+    a single token's choices are distinct experts); padding lanes hold num_pairs."""
+    if DIRECT:
+        expert = tl.load(block_expert_ptr + pid_m)
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, -1)
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        expert = tl.load(block_expert_ptr + pid_m)
+        pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pair
+
+
+@triton.jit
 def _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.constexpr):
     """(shared expert, token ids [BLOCK_M] int64, row mask) of a program past the routed blocks."""
     j = pid_m - routed_blocks
@@ -80,20 +98,20 @@ def _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.con
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, h_ptr, shared_gate_ptr, shared_up_ptr,
-    num_pairs, num_tokens, top_k, hidden, inter, routed_blocks, token_blocks,
+    num_pairs, num_experts, num_tokens, top_k, hidden, inter, routed_blocks, token_blocks,
     stride_xt, stride_we, stride_wk, stride_hp, stride_shared,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t)."""
+    wait_for_producers(PDL)
     pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     if pid_m < routed_blocks:
-        expert = tl.load(block_expert_ptr + pid_m)
+        expert, pair = _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)
         if expert >= 0:  # NO_EXPERT (-1): past the used blocks
-            pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
             row_ok = pair < num_pairs  # padding slots hold num_pairs
             token = (pair // top_k).to(tl.int64)
             gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
@@ -115,27 +133,27 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, shared_down_ptr,
-    num_pairs, num_tokens, inter, hidden, routed_blocks, token_blocks,
+    num_pairs, num_experts, num_tokens, inter, hidden, routed_blocks, token_blocks,
     stride_hp, stride_we, stride_wk, stride_yp, stride_shared,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared."""
+    wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     if pid_m < routed_blocks:
-        expert = tl.load(block_expert_ptr + pid_m)
+        expert, pair = _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)
         if expert >= 0:
-            pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
             row_ok = pair < num_pairs
-            pair = tl.where(row_ok, pair, 0).to(tl.int64)
+            row = tl.where(row_ok, pair, 0).to(tl.int64)
             w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
-            acc = _matmul_tile(h_ptr + pair[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K,
+            acc = _matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K,
                                BLOCK_K * stride_wk, row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
-            weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-            tl.store(y_ptr + pair[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
+            weight = tl.load(weights_ptr + row, mask=row_ok, other=0.0)
+            tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
                      mask=row_ok[:, None] & col_ok[None, :])
     else:
         shared, token, row_ok = _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
@@ -149,8 +167,9 @@ def _down_kernel(
 
 @triton.jit
 def _sum_choices_kernel(y_ptr, out_ptr, hidden, num_pairs, num_tokens,
-                        TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                        TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = y[t, 0] + ... + y[t, k-1] (+ the S shared rows of t), float32, in that order."""
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import require_kernel_device
+from ..pdl import launch_flags, wait_for_producers
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_COLS = 65536  # one row lives in one program's registers
@@ -24,8 +25,9 @@ def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr,
     cols, eps,
     stride_xr, stride_dr, stride_or, stride_sr,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < cols
@@ -98,5 +100,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
             cols, eps,
             x2.stride(0), d2.stride(0), cols, cols,
             HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+            **launch_flags(x.device),
         )
     return (total, out) if delta is not None else out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import require_kernel_device
+from ..pdl import launch_flags, wait_for_producers
 from .fused_moe_kernels import _dot, dot_flags
 from .skinny import BLOCK_M, MAX_ROWS, NUM_STAGES, NUM_WARPS
 
@@ -34,8 +35,9 @@ def _merge_project_kernel(
     part_ptr, lse_ptr, w_ptr, out_ptr, rows, splits, latent, values,
     stride_pm, stride_ph, stride_ps, stride_lm, stride_lh, stride_wh, stride_wk, stride_wn, stride_om, stride_oh,
     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -107,6 +109,6 @@ def merge_project(part: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Tensor
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
         *w_uv.stride(), out.stride(0), out.stride(1),
         SPLITS=triton.next_power_of_2(splits), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        **dot_flags(w_uv.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **dot_flags(w_uv.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_flags(part.device),
     )
     return out

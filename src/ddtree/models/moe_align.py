@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import launch_flags, wait_for_producers
+
 NO_EXPERT = -1  # block_expert of a block past the used ones
 MAX_PAIRS = 8192  # one program sorts all pairs in registers: the fused path is for few rows
 MAX_EXPERTS = 1024  # with MAX_PAIRS, sort keys expert * P_PAD + p stay in int32
@@ -50,8 +52,9 @@ class ExpertBlocks:
 def _align_kernel(
     ids_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, num_experts, num_blocks,
-    P_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    P_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     p = tl.arange(0, P_PAD)
     expert = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
     valid = (p < num_pairs) & (expert >= 0) & (expert < num_experts)  # out-of-range ids are dropped
@@ -113,5 +116,6 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
             ids, sorted_pairs, block_expert, num_pairs, num_experts, n_blocks,
             P_PAD=triton.next_power_of_2(max(num_pairs, 16)), E_PAD=triton.next_power_of_2(max(num_experts, 16)),
             BLOCK_M=block_m, CHUNK=64, num_warps=4,  # CHUNK: unused blocks marked per loop step
+            **launch_flags(ids.device),
         )
     return ExpertBlocks(sorted_pairs, block_expert, num_pairs, block_m)

@@ -25,6 +25,7 @@ from triton import knobs
 from triton.language.extra import libdevice
 
 from ..kernels import require_kernel_device
+from ..pdl import launch_flags, wait_for_producers
 
 MAX_EXPERTS = 1024  # a token's scores live in one program's registers
 # One warp holds up to 512 scores in 16 registers per lane and reduces with shuffles, no shared
@@ -57,8 +58,9 @@ def _router_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
     G_PAD: tl.constexpr, S_PAD: tl.constexpr,
     SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_SCORE: tl.constexpr, NORM: tl.constexpr,
-    CUDA_EXP: tl.constexpr,
+    CUDA_EXP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
     offs_s = tl.arange(0, S_PAD)
@@ -176,5 +178,6 @@ def fused_route(
             G_PAD=triton.next_power_of_2(groups), S_PAD=triton.next_power_of_2(experts // groups),
             SOFTMAX=scoring_func == "softmax", HAS_BIAS=bias is not None, GROUP_SCORE=group_score,
             NORM=bool(norm_topk_prob), CUDA_EXP=not knobs.runtime.interpret, num_warps=NUM_WARPS,
+            **launch_flags(logits.device),
         )
     return weights, ids

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import multiprocessors, require_kernel_device
+from ..pdl import launch_flags, wait_for_producers
 from .fused_moe_kernels import _matmul_tile, dot_flags
 
 BLOCK_M = 16
@@ -41,8 +42,9 @@ def _skinny_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K,
     stride_xb, stride_xm, stride_xk, stride_wb, stride_wk, stride_wn, stride_ob, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -114,7 +116,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     _skinny_kernel[(triton.cdiv(cols, block_n), batch)](
         x, w, out, rows, cols, depth, *x.stride(), *w.stride(), *out.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        **dot_flags(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        **dot_flags(x.dtype), num_warps=num_warps, num_stages=num_stages, **launch_flags(x.device),
     )
     return out
 

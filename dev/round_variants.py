@@ -3,7 +3,7 @@ process (benchmarks/profile_round.py is the committed benchmark). Run from the r
 with PYTHONPATH=src:benchmarks.
 usage: round_variants.py OUT.json BATCH BUDGET variant [variant ...]; a variant is
 comma-separated key=value: skinny=0|1, merge=0|1 (merge_project.FUSE_MERGE), pdl=0|1
-(ddtree.pdl.ENABLED), direct=0|1 (fused_moe.DIRECT_MAX_TOKENS 0 or 1), narrow=NxK, stages=S (fused MoE),
+(ddtree.pdl.ENABLED), prefetch=0|1 (ddtree.pdl.PREFETCH), direct=0|1 (fused_moe.DIRECT_MAX_TOKENS 0 or 1), narrow=NxK, stages=S (fused MoE),
 or 'base'."""
 import json, sys
 import torch
@@ -17,12 +17,12 @@ from ddtree.models import fused_moe, merge_project, skinny
 
 out, batch, budget, variants = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] or ["base"]
 dev = torch.device("cuda")
-defaults = dict(pdl=pdl.ENABLED, direct=fused_moe.DIRECT_MAX_TOKENS, merge=merge_project.FUSE_MERGE, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
+defaults = dict(pdl=pdl.ENABLED, prefetch=pdl.PREFETCH, direct=fused_moe.DIRECT_MAX_TOKENS, merge=merge_project.FUSE_MERGE, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
 
 def apply(variant):
     skinny.MAX_ROWS = defaults["max_rows"]
     merge_project.FUSE_MERGE = defaults["merge"]
-    pdl.ENABLED, fused_moe.DIRECT_MAX_TOKENS = defaults["pdl"], defaults["direct"]
+    pdl.ENABLED, pdl.PREFETCH, fused_moe.DIRECT_MAX_TOKENS = defaults["pdl"], defaults["prefetch"], defaults["direct"]
     fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = defaults["narrow"], defaults["stages"]
     fused_moe.BLOCK_N, fused_moe.BLOCK_K = defaults["wide"]
     if variant == "base":
@@ -35,6 +35,8 @@ def apply(variant):
             merge_project.FUSE_MERGE = v == "1"
         elif k == "pdl":
             pdl.ENABLED = v == "1"
+        elif k == "prefetch":
+            pdl.PREFETCH = v == "1"
         elif k == "direct":
             fused_moe.DIRECT_MAX_TOKENS = int(v)
         elif k == "narrow":
@@ -53,26 +55,40 @@ with torch.no_grad():
     plan = RoundPlan(bucket=batch, budget=budget, k=budget, any_sampled=False, any_filtered=False,
                      key_limit=pb.key_limit if budget else None, features=budget > 0, experts=True)
     run = lambda: run_round(pb.ctx, pb.state, plan, depth, StageTimer(dev, enabled=False))
-    ref = None
-    for variant in variants:
+    # Capture every variant's graph first, then time them interleaved (rounds of 10 replays each,
+    # in turn) so that clock or thermal drift falls on all alike. Correctness: the round's result
+    # and every layer's latent cache after a replay must equal the first variant's eager run, bit
+    # for bit (a kernel reading its input before its producer finished would show here).
+    ref = ref_cache = None
+    graphs = {}
+    for i, variant in enumerate(variants):
         apply(variant)
         s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             pb.restore(); first = run().clone()
         torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-        ref = first if ref is None else ref
+        if ref is None:
+            ref, ref_cache = first, [c.clone() for c in pb.caches]
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             pb.restore(); res = run()
         torch.cuda.synchronize()
-        for _ in range(3): g.replay()
-        torch.cuda.synchronize()
-        same = bool(torch.equal(res, ref))
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(30):
-            st.record(); g.replay(); en.record(); en.synchronize(); ts.append(st.elapsed_time(en))
-        ts.sort()
+        graphs[f"{i}:{variant}"] = (g, res)
+    apply("base")
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {name: [] for name in graphs}
+    for rnd in range(13):
+        for name, (g, _) in graphs.items():
+            for _ in range(10):
+                st.record(); g.replay(); en.record(); en.synchronize()
+                if rnd >= 3:  # the first rounds warm up
+                    times[name].append(st.elapsed_time(en))
+    for name, (g, res) in graphs.items():
+        same = True
+        for _ in range(10):
+            g.replay(); torch.cuda.synchronize()
+            same &= bool(torch.equal(res, ref)) and all(torch.equal(c, r) for c, r in zip(pb.caches, ref_cache))
+        ts = sorted(times[name])
         n = 5
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n): g.replay()
@@ -80,10 +96,11 @@ with torch.no_grad():
         ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         rows = sorted(((e.key[:100], e.count / n, e.device_time_total / n) for e in ev), key=lambda r: -r[2])
         total = sum(r[2] for r in rows)
-        print(f"[{variant}] B={batch} budget={budget}: replay median {ts[len(ts)//2]:.3f} ms (p10 {ts[3]:.3f}, p90 {ts[-4]:.3f}); "
-              f"{sum(r[1] for r in rows):.0f} kernels, {total/1e3:.3f} ms kernel time; result equal to first variant: {same}", flush=True)
+        q = lambda f: ts[int(f * (len(ts) - 1))]
+        print(f"[{name}] B={batch} budget={budget}: replay median {q(0.5):.3f} ms (p10 {q(0.1):.3f}, p90 {q(0.9):.3f}, "
+              f"{len(ts)} interleaved); {sum(r[1] for r in rows):.0f} kernels, {total/1e3:.3f} ms kernel time; "
+              f"result and caches equal to the first variant's eager run in 10 replays: {same}", flush=True)
         for r in rows[:14]:
             print(f"   {r[2]:9.1f} us {r[1]:6.0f}x  {r[0]}")
-        results[variant] = dict(replay_ms=ts, kernels=rows, same_result=same)
-        del g
+        results[name] = dict(replay_ms=ts, kernels=rows, same_result=same)
 json.dump(results, open(out, "w"), indent=0)

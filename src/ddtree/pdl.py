@@ -30,7 +30,7 @@ from triton import knobs
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = True  # the switch; dev/round_variants.py times the decode round both ways
-PREFETCH = True  # with ENABLED: the GEMM kernels prefetch their weights into L2 while they wait
+PREFETCH = False  # with ENABLED: GEMM kernels prefetch their weights into L2 while they wait (slower so far)
 LINE_BYTES = 128  # an L2 line
 
 

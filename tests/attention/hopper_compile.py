@@ -40,7 +40,7 @@ def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
                    block_table_ptr=torch.zeros(1, dtype=torch.int32), prefix_ptr=torch.zeros(1, dtype=torch.int32),
                    num_rows_ptr=torch.zeros(1, dtype=torch.int32), vis_ptr=torch.zeros(1, dtype=torch.int64),
                    out_ptr=out, lse_ptr=torch.zeros(1))
-    constants = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=epilogue)
+    constants = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=epilogue, PDL=True)
     fn = tree_verify_hopper._tree_verify_hopper_kernel
     signature, constexprs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -59,4 +59,5 @@ def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
         "spill_bytes": asm["spill_bytes"],
         "hgmma": Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", asm["sass"])),
         "ttgir": compiled.asm["ttgir"],
+        "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
     }

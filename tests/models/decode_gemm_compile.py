@@ -4,7 +4,7 @@ Triton specializes them). Run without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
-from ddtree.models import absorbed_query, merge_project, skinny
+from ddtree.models import absorbed_query, skinny
 
 from .fused_moe_compile import compile_report
 
@@ -13,8 +13,7 @@ BF16 = "*bf16"
 
 def all_reports() -> dict[str, dict]:
     """skinny at its three column blocks in nn.Linear layout (W^T: unit K stride), the per-head W_UK
-    layout (unit N stride), absorbed_query's kernel at Moonlight's MLA widths, and merge_project
-    at 32 splits."""
+    layout (unit N stride), and absorbed_query's kernel at Moonlight's MLA widths."""
     tiles = dict(BLOCK_M=skinny.BLOCK_M, BLOCK_K=skinny.BLOCK_K, DOT_F32=False, PRECISION="tf32", M=1)
     gemm = dict(num_warps=skinny.NUM_WARPS, num_stages=skinny.NUM_STAGES)
     pointers = dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16)
@@ -34,8 +33,4 @@ def all_reports() -> dict[str, dict]:
         dict(HALF=32, BLOCK_HALF=32, BLOCK_C=512, INTERLEAVE=True, BLOCK_M=skinny.BLOCK_M,
              BLOCK_N=absorbed_query.BLOCK_N, BLOCK_K=128, DOT_F32=False, PRECISION="tf32", rows=1),
         **gemm, not_divisible=("heads", "nope", "n_tiles"))
-    reports["merge_project"] = compile_report(
-        merge_project._merge_project_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", w_ptr=BF16, out_ptr=BF16),
-        dict(SPLITS=32, BLOCK_M=skinny.BLOCK_M, BLOCK_N=merge_project.BLOCK_N, BLOCK_K=merge_project.BLOCK_K,
-             DOT_F32=False, PRECISION="tf32", rows=1, stride_wk=1), **gemm, not_divisible=("splits", "values"))
     return reports

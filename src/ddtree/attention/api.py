@@ -16,6 +16,7 @@ VALUE_DIM = 512  # kv_lora_rank of DeepSeek-V3 / Kimi K2: the latent, which is a
 BLOCK_M = 64  # query rows (node, head) per program
 BLOCK_N = 64  # keys per KV tile
 MAX_SPLITS = 32
+MERGE_BLOCK_V = 128  # value columns per program of the split merge: 4 programs per (node, head) row
 MIN_KEYS_PER_SPLIT = 256
 
 
@@ -159,7 +160,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, 
         *part.stride()[:4], *part_lse.stride(),
         softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, kv_cache.shape[0] * page_size,
         n_row_tiles, n_items, D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
-        EPILOGUE=epilogue, num_warps=8,
+        EPILOGUE=epilogue, num_warps=8, **launch_flags(q.device),
     )
 
 
@@ -179,7 +180,6 @@ def tree_verify_mla(
     block_n: int = BLOCK_N,
     num_warps: int = 8,
     num_stages: int = 2,
-    merge: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form MLA attention of every draft-tree node over its prefix and its ancestors.
 
@@ -201,11 +201,7 @@ def tree_verify_mla(
     backend:      "hopper" (Gluon: TMA + warpgroup MMAs, sm_90 only), "triton" (portable, and the
                   one the interpreter runs) or "auto" (hopper where hopper_unsupported says it can).
     block_n, num_warps, num_stages: tuning of the triton backend (keys per tile, warps, stages).
-    merge:        False: skip the split merge and return the per-split partials instead, for a
-                  consumer that merges them itself (models/merge_project.py).
-    Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log); with merge
-    False, part [B, N, H, S, 512] (float32, or q's dtype when S = 1) and part_lse float32
-    [B, N, H, S], S = num_splits, each split normalized over its own keys.
+    Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
     """
     _check(q, kv_cache, block_table, prefix_lens, num_rows, visibility)
     if backend not in BACKENDS:
@@ -235,7 +231,7 @@ def tree_verify_mla(
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {q.device}")
     if batch * rows * heads == 0:
-        return (out.unsqueeze(3), lse.unsqueeze(3)) if not merge else (out, lse)
+        return out, lse
     if num_splits == 1:
         part, part_lse = out.unsqueeze(3), lse.unsqueeze(3)
     else:
@@ -247,12 +243,11 @@ def tree_verify_mla(
     else:
         _launch_triton(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                        softmax_scale, num_splits, block_n, num_warps, num_stages)
-    if not merge:
-        return part, part_lse
     if num_splits > 1:
-        _merge_splits_kernel[(batch * rows * heads,)](
+        _merge_splits_kernel[(batch * rows * heads, VALUE_DIM // MERGE_BLOCK_V)](
             part, part_lse, out, lse, num_splits,
-            D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), num_warps=4, **launch_flags(q.device),
+            D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), BLOCK_V=MERGE_BLOCK_V, num_warps=4,
+            **launch_flags(q.device),
         )
     return out, lse
 

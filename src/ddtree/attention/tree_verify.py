@@ -107,13 +107,14 @@ def _tree_verify_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
-    D_V: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+    D_V: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program per (b, n, h) row; partials [rows, splits, D_V] float32, contiguous.
+    # One program per (b, n, h) row and BLOCK_V of its D_V values (a decode step has 16 rows: more
+    # programs each load less of the partials); partials [rows, splits, D_V] float32, contiguous.
     wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_s = tl.arange(0, SPLITS)
-    offs_v = tl.arange(0, D_V)
     s_ok = offs_s < num_splits
     lse_s = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse_s, 0)
@@ -123,4 +124,5 @@ def _merge_splits_kernel(
     part = tl.load(part_ptr + (row * num_splits + offs_s[:, None]) * D_V + offs_v[None, :], mask=s_ok[:, None], other=0.0)
     merged = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * D_V + offs_v, merged.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+    if tl.program_id(1) == 0:
+        tl.store(lse_ptr + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))

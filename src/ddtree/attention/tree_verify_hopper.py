@@ -36,6 +36,16 @@ STAGES = gl.constexpr(2)  # KV tiles in flight: 2 x 72 KB of shared memory
 
 
 @gluon.jit
+def _wait_for_producers(PDL: gl.constexpr):
+    """ddtree.pdl's wait_for_producers in Gluon: with programmatic dependent launch, wait for the
+    previous kernel (it writes the query and the cache entries), then let the next one launch."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def _issue_tile(kn_desc, kr_desc, kn_buf, kr_buf, bar, bt_row_ptr, k0, kv_len, page_size, past_end,
                 BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr):
     """Start the TMA copies of keys k0 .. k0 + BLOCK_N into one stage; `bar` counts their bytes.
@@ -113,6 +123,7 @@ def _tree_verify_hopper_kernel(
     qk_scale, rows_per_req, heads, page_size, num_splits, past_end, n_row_tiles, n_items,
     D_V: gl.constexpr, D_ROPE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, EPILOGUE: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """EPILOGUE: 0 = direct stores (split-KV float32 partials), 1 = staged in shared memory, then
     16-byte stores, 2 = staged in shared memory, then a TMA store (rows_per_req % BLOCK_M == 0).
@@ -140,6 +151,7 @@ def _tree_verify_hopper_kernel(
     fence_async_shared()
     gl.thread_barrier()
     q_bar = bars.index(STAGES)
+    _wait_for_producers(PDL)  # every global read below comes after it
 
     first = gl.program_id(0)
     step = gl.num_programs(0)

@@ -6,7 +6,11 @@ expert's weights read once per block of its rows, only for the experts the token
                          shared expert s of token t: row P + s * T + t, its own weights
     _down_kernel         y[p] = weights[p] * (h[p] @ Wd[e]), float32; shared rows with weight 1
     _sum_choices_kernel  out[t] = y[t, 0] + ... + y[t, k-1] + y[P + t] + ... + y[P + (S-1) * T + t],
-                         in that order (no atomics)
+                         in that order (no atomics); with unsummed=True the next RMSNorm does this
+                         sum instead (ExpertRows, fused_norm.rms_norm), one launch fewer per layer
+
+One token (a decode step) skips the alignment (DIRECT_MAX_TOKENS): one routed program per choice,
+its expert read from ids, since a token's choices are distinct experts.
 
 The shared experts (DeepSeek-V3's n_shared_experts, one MLP of S x the routed width) ride in the
 same three launches as S more experts that every token takes with weight 1, read in place from the
@@ -106,6 +110,34 @@ class SharedExperts:
         return width // inter
 
 
+@dataclass
+class ExpertRows:
+    """fused_moe's result before its last launch, the sum over each token's experts:
+
+        out[t] = y[t * k] + ... + y[t * k + k - 1] + y[P + t] + ... + y[P + (S - 1) * T + t]
+
+    in that order, in float32, rounded once to `dtype`. The next RMSNorm adds these rows itself
+    (fused_norm.rms_norm's delta), which saves a decode step that launch per MoE layer;
+    `summed()` runs it where a tensor is wanted."""
+
+    y: torch.Tensor  # float32 [P + S * T, hidden], contiguous
+    tokens: int  # T
+    top_k: int  # k
+    num_shared: int  # S
+    dtype: torch.dtype  # the result's dtype (x.dtype)
+
+    def summed(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The result as a contiguous `dtype` [T, hidden] tensor, into `out` if given (one launch)."""
+        hidden = self.y.shape[1]
+        if out is None:
+            out = torch.empty(self.tokens, hidden, dtype=self.dtype, device=self.y.device)
+        if self.tokens:
+            _sum_choices_kernel[(self.tokens, triton.cdiv(hidden, SUM_BLOCK))](
+                self.y, out, hidden, self.tokens * self.top_k, self.tokens, TOP_K=self.top_k, SHARED=self.num_shared,
+                BLOCK=SUM_BLOCK, num_warps=NUM_WARPS, **launch_flags(self.y.device))
+        return out
+
+
 def _check(x, w_gate_up, w_down, weights, ids, shared: SharedExperts | None) -> int:
     """Raises on a bad input; returns the number of shared experts."""
     if x.dim() != 2:
@@ -155,7 +187,8 @@ def fused_moe(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-) -> torch.Tensor:
+    unsummed: bool = False,
+) -> torch.Tensor | ExpertRows:
     """SwiGLU experts: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared MLP(x[t])).
 
     x:          [T, hidden], bf16 / fp16 / fp32, contiguous in its last dimension.
@@ -171,6 +204,8 @@ def fused_moe(
     workspace:  optional Workspace.empty(T, k, E, hidden, inter, x.dtype, x.device, block_m, S).
     block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
                 block_m_for(T * k, E) and tiles_for(T * k + S * T, inter).
+    unsummed:   return ExpertRows, the rows before their sum, for a consumer that sums them
+                (`out` is then unused).
     Returns out: x.dtype [T, hidden]; expert outputs (routed in choice order, then shared) are
     summed in float32, then cast once.
     """
@@ -198,20 +233,20 @@ def fused_moe(
             if got.shape != need.shape or got.dtype != need.dtype or got.device != x.device or not got.is_contiguous():
                 raise ValueError(f"workspace.{name} must be a contiguous {need.dtype} {list(need.shape)} on "
                                  f"{x.device}, got {got.dtype} {list(got.shape)} on {got.device}")
-    if tokens == 0:
-        return out
-    if top_k == 0 and num_shared == 0:
-        return out.zero_()
+    if tokens == 0 or (top_k == 0 and num_shared == 0):  # no expert: zeros (unsummed: one zero row each)
+        zeros = ExpertRows(workspace.y.new_zeros(tokens, hidden), tokens, 0, 1, x.dtype)
+        return zeros if unsummed else out.zero_()
     blocks = None  # direct: pair p's program reads its expert from ids itself
     if tokens > DIRECT_MAX_TOKENS:
         blocks = align_by_expert(ids, experts, block_m, out=(workspace.sorted_pairs, workspace.block_expert))
-    _launch(x, w_gate_up, w_down, weights, ids, blocks, workspace, out, shared, num_shared, block_m, block_n, block_k)
-    return out
+    _launch(x, w_gate_up, w_down, weights, ids, blocks, workspace, shared, num_shared, block_m, block_n, block_k)
+    rows = ExpertRows(workspace.y, tokens, top_k, num_shared, x.dtype)
+    return rows if unsummed else rows.summed(out)
 
 
-def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws: Workspace, out, shared,
+def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws: Workspace, shared,
             num_shared, block_m, block_n, block_k) -> None:
-    """The three kernels; blocks None: direct mode, one routed program per pair, experts from ids."""
+    """The two GEMM kernels, into ws.y; blocks None: direct mode, one routed program per pair, experts from ids."""
     (tokens, hidden), (experts, inter, _) = x.shape, w_down.shape
     top_k, num_pairs = weights.shape[1], ids.numel()
     routed_blocks = num_pairs if blocks is None else blocks.block_expert.numel()
@@ -234,6 +269,3 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
         ws.h.stride(0), w_down.stride(0), w_down.stride(1), ws.y.stride(0), down.stride(0),
         **tiles, **flags,
     )
-    _sum_choices_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        ws.y, out, hidden, num_pairs, tokens, TOP_K=top_k, SHARED=num_shared, BLOCK=SUM_BLOCK,
-        num_warps=NUM_WARPS, **launch_flags(x.device))

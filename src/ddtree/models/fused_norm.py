@@ -2,6 +2,9 @@
 
     _rms_norm_kernel   one program per row: [s = x + delta, stored;] y = w * (s * rsqrt(mean(s^2) + eps))
 
+delta may be fused_moe's ExpertRows, the MoE's per-expert rows before their sum: the kernel sums
+them first (as fused_moe's last kernel would), which saves that launch in a decode step.
+
 The cast points are RMSNorm's (models/norm.py): the sum rounded to x's dtype, the statistics in
 float32, the normalized row rounded to x's dtype, then the product with the weight rounded to the
 promoted dtype of x and weight. The grid is the row count: CUDA-graph capturable.
@@ -15,17 +18,30 @@ import triton.language as tl
 
 from ..kernels import require_kernel_device
 from ..pdl import launch_flags, wait_for_producers
+from .fused_moe import ExpertRows
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_COLS = 65536  # one row lives in one program's registers
 
 
 @triton.jit
+def _expert_sum(y_ptr, row, offs, ok, cols, num_pairs, num_tokens, TOP_K: tl.constexpr, SHARED: tl.constexpr):
+    """fused_moe's sum over one token's expert rows (ExpertRows), float32, in _sum_choices_kernel's order."""
+    acc = tl.zeros(offs.shape, tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (row * TOP_K + j) * cols + offs, mask=ok, other=0.0)
+    for s in tl.static_range(SHARED):
+        acc += tl.load(y_ptr + (num_pairs + s * num_tokens + row) * cols + offs, mask=ok, other=0.0)
+    return acc
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr,
-    cols, eps,
+    cols, eps, num_tokens,
     stride_xr, stride_dr, stride_or, stride_sr,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -33,7 +49,11 @@ def _rms_norm_kernel(
     ok = offs < cols
     x = tl.load(x_ptr + row * stride_xr + offs, mask=ok, other=0.0)
     if HAS_DELTA:
-        delta = tl.load(delta_ptr + row * stride_dr + offs, mask=ok, other=0.0)
+        if TOP_K + SHARED > 0:  # delta is fused_moe's unsummed rows: its sum, rounded as it rounds it
+            delta = _expert_sum(delta_ptr, row, offs, ok, cols, num_tokens * TOP_K, num_tokens, TOP_K, SHARED)
+            delta = delta.to(x_ptr.dtype.element_ty)
+        else:
+            delta = tl.load(delta_ptr + row * stride_dr + offs, mask=ok, other=0.0)
         x = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)  # x + delta in x's dtype
         tl.store(sum_ptr + row * stride_sr + offs, x, mask=ok)
     x32 = x.to(tl.float32)
@@ -63,7 +83,7 @@ def _buffer(buf: torch.Tensor | None, name: str, shape, dtype: torch.dtype, devi
     return buf
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None, *,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | ExpertRows | None = None, *,
              out: torch.Tensor | None = None, sum_out: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x, or of x + delta, in one kernel launch.
@@ -71,7 +91,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     x:      [..., D], bf16 / fp16 / fp32; any strides (rows are read through their stride; a
             layout that does not flatten to rows is copied first).
     weight: [D], bf16 / fp16 / fp32, on x's device.
-    delta:  optional, x's shape and dtype: the residual branch added to x first.
+    delta:  optional, x's shape and dtype: the residual branch added to x first; or fused_moe's
+            ExpertRows of x's row count, width and dtype, summed here (the same bits as summed()).
     out, sum_out: optional contiguous buffers for y and (with delta) s, e.g. a graph's static ones.
     Returns y [..., D] in promote_types(x.dtype, weight.dtype), contiguous; with delta the pair
     (s, y) where s = x + delta [..., D] in x.dtype and y = RMSNorm(s).
@@ -83,23 +104,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     cols = weight.shape[0]
     if cols > MAX_COLS:
         raise ValueError(f"weight has {cols} elements: at most {MAX_COLS} (one row per program)")
-    for name, t in (("weight", weight), ("delta", delta)):
+    experts = delta if isinstance(delta, ExpertRows) else None
+    delta_tensor = delta.y if experts is not None else delta
+    for name, t in (("weight", weight), ("delta", delta_tensor)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+    if experts is not None:
+        rows = x.numel() // cols if cols else 0
+        if experts.dtype != x.dtype or experts.tokens != rows or experts.y.shape[1] != cols or not experts.y.is_contiguous():
+            raise ValueError(f"delta's expert rows must sum to x's {rows} rows of {cols} in {x.dtype}, got "
+                             f"{experts.tokens} tokens of {experts.y.shape[1]} in {experts.dtype}")
+    elif delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
         raise ValueError(f"delta must match x ({x.dtype} {list(x.shape)}), got {delta.dtype} {list(delta.shape)}")
     require_kernel_device(x.device, "rms_norm")
     x2 = _rows(x, "x", cols)
     out = _buffer(out, "out", x.shape, torch.promote_types(x.dtype, weight.dtype), x.device)
     total = _buffer(sum_out, "sum_out", x.shape, x.dtype, x.device) if delta is not None else out
-    d2 = _rows(delta, "delta", cols) if delta is not None else x2
+    d2 = experts.y if experts is not None else _rows(delta, "delta", cols) if delta is not None else x2
     if x2.shape[0]:
         block = triton.next_power_of_2(cols)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, d2, weight.contiguous(), out, total,
-            cols, eps,
+            cols, eps, x2.shape[0],
             x2.stride(0), d2.stride(0), cols, cols,
             HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+            TOP_K=experts.top_k if experts is not None else 0, SHARED=experts.num_shared if experts is not None else 0,
             **launch_flags(x.device),
         )
     return (total, out) if delta is not None else out

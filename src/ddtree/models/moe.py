@@ -10,7 +10,7 @@ from ..kernels import use_kernel
 from . import joint, skinny
 from .config import TargetConfig
 from .fused_moe import DTYPES as FUSED_DTYPES
-from .fused_moe import SharedExperts, fused_moe
+from .fused_moe import ExpertRows, SharedExperts, fused_moe
 from .moe_align import MAX_PAIRS
 from .router_kernel import fused_route
 
@@ -131,9 +131,12 @@ class MoE(nn.Module):
         self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.fused: bool | None = None
 
-    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None,
+                unsummed: bool = False) -> torch.Tensor | ExpertRows:
         """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
-        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
+        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched).
+        unsummed: on the fused path return fused_moe's ExpertRows (tokens = x's rows), whose sum
+        the next RMSNorm computes itself; the other paths return the tensor regardless."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
@@ -142,6 +145,8 @@ class MoE(nn.Module):
         shared = None
         if self._use_fused(x, weights):
             shared = self._shared_in_place()
+            if unsummed and (shared is not None or self.shared_experts is None):
+                return fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared=shared, unsummed=True)
             out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared=shared)
         else:
             out = self._grouped(x, weights, ids)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..kernels import use_kernel
+from .fused_moe import ExpertRows
 from .fused_norm import DTYPES, rms_norm
 
 
@@ -35,9 +36,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None):
-        """x [..., dim] -> RMSNorm(x) [..., dim]; with delta (x's shape), the residual add first:
-        returns (x + delta, RMSNorm(x + delta))."""
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | ExpertRows | None = None):
+        """x [..., dim] -> RMSNorm(x) [..., dim]; with delta (x's shape, or the MoE's unsummed
+        ExpertRows), the residual add first: returns (x + delta, RMSNorm(x + delta))."""
+        if isinstance(delta, ExpertRows):  # the kernel sums the rows itself; PyTorch wants the sum
+            if self._use_kernel(x, None) and delta.dtype == x.dtype:
+                return rms_norm(x, self.weight, self.eps, delta)
+            delta = delta.summed().view(x.shape)
         if self._use_kernel(x, delta):
             return rms_norm(x, self.weight, self.eps, delta)
         if delta is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import tree_verify_mla
-from . import merge_project, skinny
+from . import skinny
 from .absorbed_query import absorbed_query
 from .fused_mla import rotary_into, write_latent_entries
 
@@ -114,14 +114,9 @@ def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, sc
     return torch.einsum("bhnl,bld->bnhd", probs, keys[..., :latent_dim])
 
 
-def attends_with_kernel(q: torch.Tensor, latent_dim: int) -> bool:
-    """Whether attend runs tree_verify_mla (CUDA, bf16 / fp16, a 512-wide latent)."""
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and latent_dim == 512
-
-
 def attend(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, scale: float, latent_dim: int) -> torch.Tensor:
     """Tree-verify attention: the Triton kernel on CUDA for bf16 / fp16, else the PyTorch path."""
-    if attends_with_kernel(q, latent_dim):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and latent_dim == 512:
         out, _ = tree_verify_mla(
             q.contiguous(), cache, meta.block_table, meta.prefix_lens, meta.num_rows, meta.visibility, scale, check=False
         )
@@ -164,12 +159,6 @@ def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, 
         bmm = torch.bmm
     query = query.view(b, n, heads, -1)
     w_uv = w_kv_b[:, nope:].transpose(1, 2)  # [H, C, v]
-    if rows <= skinny.MAX_ROWS and merge_project.FUSE_MERGE and attends_with_kernel(query, latent):
-        part, part_lse = tree_verify_mla(query, cache, meta.block_table, meta.prefix_lens, meta.num_rows,
-                                         meta.visibility, scale, check=False, merge=False)
-        splits = part.shape[3]
-        return merge_project.merge_project(part.view(rows, heads, splits, latent),
-                                           part_lse.view(rows, heads, splits), w_uv)
     out_latent = attend(query, cache, meta, scale, latent)  # [B, N, H, C]
     out = torch.empty(rows, heads, w_kv_b.shape[1] - nope, dtype=q.dtype, device=q.device)
     bmm(out_latent.view(rows, heads, latent).transpose(0, 1).to(q.dtype), w_uv, out=out.transpose(0, 1))  # W_UV

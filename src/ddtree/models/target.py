@@ -20,6 +20,7 @@ from torch import nn
 from ..kernels import use_kernel
 from . import joint, skinny
 from .config import TargetConfig
+from .fused_moe import ExpertRows
 from .moe import MLP, MoE
 from .norm import RMSNorm
 from .paged import ForwardMeta, absorbed_attention, attend, write_entries
@@ -163,11 +164,18 @@ class DecoderLayer(nn.Module):
                       router_ids: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input is x + delta (delta: the previous layer's MLP output, None for the
         first), so that each residual add runs inside the norm after it. Returns (residual,
-        mlp_out) [B, N, hidden] each; their sum is the layer's output."""
+        mlp_out): [B, N, hidden] each, or for mlp_out on the fused MoE path its unsummed
+        ExpertRows (the next norm sums them; expert_sum(...) gives the tensor); their sum is the
+        layer's output."""
         attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm(x, delta)
         x, h = self.post_attention_layernorm(x, attn(h, meta, cache, rope))
-        return x, (self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x, (self.mlp(h, router_ids, unsummed=True) if isinstance(self.mlp, MoE) else self.mlp(h))
+
+
+def expert_sum(delta: torch.Tensor | ExpertRows | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A layer's mlp_out as a tensor of x's shape: ExpertRows summed (one launch), else as given."""
+    return delta.summed().view(x.shape) if isinstance(delta, ExpertRows) else delta
 
 
 class Target(nn.Module):
@@ -242,9 +250,11 @@ class Target(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x, delta = layer.forward_paged(x, delta, meta, cache, rope, router_ids)
             if i in hidden_layers:
+                delta = expert_sum(delta, x)
                 captured.append(x + delta)
         if logit_rows is not None:
             rows = logit_rows.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+            delta = expert_sum(delta, x)
             x, delta = x.gather(1, rows), (None if delta is None else delta.gather(1, rows))
         return self.lm_head(self.norm(x) if delta is None else self.norm(x, delta)[1]).float(), captured
 

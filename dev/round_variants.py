@@ -24,11 +24,11 @@ out, batch, budget, variants = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 
 dev = torch.device("cuda")
 defaults = dict(pdl=pdl.ENABLED, prefetch=pdl.PREFETCH, direct=fused_moe.DIRECT_MAX_TOKENS, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
 
-launch_flags, moe_fused = attention_api.launch_flags, moe_module.fused_moe
+launch_flags, moe_forward = attention_api.launch_flags, moe_module.MoE.forward
 
 
 def apply(variant):
-    attention_api.launch_flags, moe_module.fused_moe, fused_moe.pdl = launch_flags, moe_fused, pdl
+    attention_api.launch_flags, moe_module.MoE.forward, fused_moe.pdl = launch_flags, moe_forward, pdl
     skinny.MAX_ROWS = defaults["max_rows"]
     pdl.ENABLED, pdl.PREFETCH, fused_moe.DIRECT_MAX_TOKENS = defaults["pdl"], defaults["prefetch"], defaults["direct"]
     fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = defaults["narrow"], defaults["stages"]
@@ -48,7 +48,7 @@ def apply(variant):
         elif k == "attnpdl":
             attention_api.launch_flags = lambda device: dict(PDL=False, launch_pdl=False)
         elif k == "fold":
-            moe_module.fused_moe = lambda *a, unsummed=False, **kw: moe_fused(*a, **kw)
+            moe_module.MoE.forward = lambda self, x, router_ids=None, unsummed=False: moe_forward(self, x, router_ids)
         elif k == "direct":
             fused_moe.DIRECT_MAX_TOKENS = int(v)
         elif k == "narrow":

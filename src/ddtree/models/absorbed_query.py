@@ -20,10 +20,12 @@ import triton.language as tl
 from .. import pdl
 from ..kernels import require_kernel_device
 from ..pdl import LINE_BYTES, launch_flags, prefetch_runs, wait_for_producers
-from .fused_mla import _latent_entry, _rotate, check_latent_inputs
+from .fused_mla import ENTRY_WARPS, _latent_entry, _rotate, check_latent_inputs
 from .fused_moe_kernels import _matmul_tile, dot_flags
 from .skinny import BLOCK_M, MAX_ROWS, NUM_STAGES, NUM_WARPS, block_k_for
 
+# One warp count for the whole launch: the entries must reduce as write_latent_entries does.
+assert NUM_WARPS == ENTRY_WARPS, "absorbed_query's cache entries need fused_mla.ENTRY_WARPS warps"
 BLOCK_N = 32  # latent columns per GEMM program: 16 heads x 512 / 32 = 256 programs at Moonlight's shape
 
 

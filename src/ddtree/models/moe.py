@@ -105,6 +105,10 @@ class Router(nn.Module):
 # 1.7x at 65 and 1.25x at 520 (Moonlight's layer); 1.4x to 2.1x at 1 to 128 tokens and 1.23x at 520
 # (Kimi K2's). 520 rows is a budget-64 verify of 8 requests, the largest count measured.
 FUSED_MAX_TOKENS = 520
+# Up to this many tokens MoE.forward(unsummed=True) leaves the sum over experts to the next norm:
+# a decode step saves a launch per layer (H200: the `ar` round 2.35 ms with it, 2.74 in a variant
+# without, dev/round_variants.py). More rows keep the sum kernel, whose grid spreads their reads.
+UNSUMMED_MAX_TOKENS = 16
 
 
 class MoE(nn.Module):
@@ -135,8 +139,9 @@ class MoE(nn.Module):
                 unsummed: bool = False) -> torch.Tensor | ExpertRows:
         """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
         int64 [tokens, k] this call routed to (the engine counts the experts a verify touched).
-        unsummed: on the fused path return fused_moe's ExpertRows (tokens = x's rows), whose sum
-        the next RMSNorm computes itself; the other paths return the tensor regardless."""
+        unsummed: for at most UNSUMMED_MAX_TOKENS rows on the fused path, return fused_moe's
+        ExpertRows (tokens = x's rows), whose sum the next RMSNorm computes itself; otherwise the
+        tensor regardless."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
@@ -145,7 +150,7 @@ class MoE(nn.Module):
         shared = None
         if self._use_fused(x, weights):
             shared = self._shared_in_place()
-            if unsummed and (shared is not None or self.shared_experts is None):
+            if unsummed and x.shape[0] <= UNSUMMED_MAX_TOKENS and (shared is not None or self.shared_experts is None):
                 return fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared=shared, unsummed=True)
             out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared=shared)
         else:

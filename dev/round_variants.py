@@ -3,7 +3,7 @@ process (benchmarks/profile_round.py is the committed benchmark). Run from the r
 with PYTHONPATH=src:benchmarks.
 usage: round_variants.py OUT.json BATCH BUDGET variant [variant ...]; a variant is
 comma-separated key=value: skinny=0|1, pdl=0|1
-(ddtree.pdl.ENABLED), prefetch=0|1|skinny (ddtree.pdl.PREFETCH; skinny: not the MoE's), attnpdl=0 (the
+(ddtree.pdl.ENABLED), attnpdl=0 (the
 attention and its merge launched without PDL), fold=0 (the MoE's expert sum in its own launch, not in
 the next norm), direct=0|1 (fused_moe.DIRECT_MAX_TOKENS 0 or 1), narrow=NxK, stages=S (fused MoE),
 or 'base'."""
@@ -14,7 +14,6 @@ sys.path.insert(0, "benchmarks")
 from round_setup import PrefixBatch, build_pair
 from ddtree.engine.round import RoundPlan, run_round
 from ddtree.engine.timing import StageTimer
-import types
 from ddtree import pdl
 from ddtree.attention import api as attention_api
 from ddtree.models import moe as moe_module
@@ -22,15 +21,15 @@ from ddtree.models import fused_moe, skinny
 
 out, batch, budget, variants = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] or ["base"]
 dev = torch.device("cuda")
-defaults = dict(pdl=pdl.ENABLED, prefetch=pdl.PREFETCH, direct=fused_moe.DIRECT_MAX_TOKENS, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
+defaults = dict(pdl=pdl.ENABLED, direct=fused_moe.DIRECT_MAX_TOKENS, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
 
 launch_flags, moe_forward = attention_api.launch_flags, moe_module.MoE.forward
 
 
 def apply(variant):
-    attention_api.launch_flags, moe_module.MoE.forward, fused_moe.pdl = launch_flags, moe_forward, pdl
+    attention_api.launch_flags, moe_module.MoE.forward = launch_flags, moe_forward
     skinny.MAX_ROWS = defaults["max_rows"]
-    pdl.ENABLED, pdl.PREFETCH, fused_moe.DIRECT_MAX_TOKENS = defaults["pdl"], defaults["prefetch"], defaults["direct"]
+    pdl.ENABLED, fused_moe.DIRECT_MAX_TOKENS = defaults["pdl"], defaults["direct"]
     fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = defaults["narrow"], defaults["stages"]
     fused_moe.BLOCK_N, fused_moe.BLOCK_K = defaults["wide"]
     if variant == "base":
@@ -41,10 +40,6 @@ def apply(variant):
             skinny.MAX_ROWS = defaults["max_rows"] if v == "1" else 0
         elif k == "pdl":
             pdl.ENABLED = v == "1"
-        elif k == "prefetch":
-            pdl.PREFETCH = v in ("1", "skinny")
-            if v == "skinny":
-                fused_moe.pdl = types.SimpleNamespace(PREFETCH=False)
         elif k == "attnpdl":
             attention_api.launch_flags = lambda device: dict(PDL=False, launch_pdl=False)
         elif k == "fold":
@@ -57,6 +52,8 @@ def apply(variant):
             fused_moe.BLOCK_N, fused_moe.BLOCK_K = (int(a) for a in v.split("x"))
         elif k == "stages":
             fused_moe.NUM_STAGES = int(v)
+        else:
+            raise SystemExit(f"unknown variant key {k!r}")
 
 results = {}
 with torch.no_grad():

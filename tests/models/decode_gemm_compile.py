@@ -25,7 +25,7 @@ def all_reports() -> dict[str, dict]:
                                                        not_divisible=("N",))
     per_head = dict(stride_xk=1, stride_wn=1, stride_on=1)
     reports["per_head_n32"] = compile_report(skinny._skinny_kernel, pointers,
-                                             dict(tiles, BLOCK_N=32, BLOCK_K=128, PREFETCH=2, **per_head), **gemm)
+                                             dict(tiles, BLOCK_N=32, BLOCK_K=128, **per_head), **gemm)
     aq = dict(q_ptr=BF16, w_ptr=BF16, query_ptr=BF16, kv_ptr=BF16, norm_w_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16,
               slot_ptr="*i64", cache_ptr=BF16, eps="fp32")
     reports["absorbed_query"] = compile_report(

@@ -22,15 +22,11 @@ NOT_DIVISIBLE = {"num_pairs", "num_tokens", "top_k", "num_experts", "num_blocks"
 def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1,
                    not_divisible: tuple[str, ...] = ()) -> dict:
     """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n,
-    "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait,
-    "prefetches": n prefetch.global.L2 in the PTX} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
+    "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
     Triton types ("*bf16", "fp32"); not_divisible: more arguments not specialized as 16-divisible.
-    A kernel with a PDL constexpr is compiled with it on, as an H200 launches it (ddtree.pdl), and
-    with its weight prefetch on (PREFETCH 1 unless `constants` says otherwise; bf16 lines, LINE 64)."""
+    A kernel with a PDL constexpr is compiled with it on, as an H200 launches it (ddtree.pdl)."""
     if "PDL" in fn.arg_names:
         constants = {"PDL": True, **constants}
-    if "PREFETCH" in fn.arg_names:
-        constants = {"PREFETCH": 1, "LINE": 64, **constants}
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:
@@ -51,7 +47,6 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
-        "prefetches": compiled.asm["ptx"].count("prefetch.global.L2"),
     }
 
 

@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl
 from ..kernels import require_kernel_device
-from ..pdl import LINE_BYTES, launch_flags, prefetch_runs, wait_for_producers
+from ..pdl import launch_flags, wait_for_producers
 from .fused_mla import ENTRY_WARPS, _latent_entry, _rotate, check_latent_inputs
 from .fused_moe_kernels import _matmul_tile, dot_flags
 from .skinny import BLOCK_M, MAX_ROWS, NUM_STAGES, NUM_WARPS, block_k_for
@@ -36,16 +35,11 @@ def _absorbed_query_kernel(
     stride_qt, stride_qh, stride_wh, stride_wk, stride_yt, stride_yh, stride_kvt, stride_ct,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_C: tl.constexpr, INTERLEAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     gemm_programs = n_tiles * heads
-    if PDL and PREFETCH:  # W_UK[h]'s columns into L2 while the previous kernel runs
-        if pid < gemm_programs:
-            n0 = (pid % n_tiles) * BLOCK_N
-            prefetch_runs(w_ptr + (pid // n_tiles).to(tl.int64) * stride_wh + n0, stride_wk, nope,
-                          tl.minimum(BLOCK_N, latent - n0), LINE, 128, 1)
-    wait_for_producers(PDL)
     if pid < gemm_programs:
         h = (pid // n_tiles).to(tl.int64)
         offs_m = tl.arange(0, BLOCK_M)
@@ -106,6 +100,6 @@ def absorbed_query(q: torch.Tensor, w_uk: torch.Tensor, kv: torch.Tensor, norm_w
         HALF=rope // 2, BLOCK_HALF=triton.next_power_of_2(rope // 2), BLOCK_C=triton.next_power_of_2(latent),
         INTERLEAVE=interleave, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_K=block_k_for(nope), **dot_flags(q.dtype), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        **launch_flags(q.device), PREFETCH=pdl.PREFETCH, LINE=LINE_BYTES // w_uk.element_size(),
+        **launch_flags(q.device),
     )
     return query

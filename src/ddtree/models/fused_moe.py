@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .. import pdl
 from ..kernels import require_kernel_device
-from ..pdl import LINE_BYTES, launch_flags
+from ..pdl import launch_flags
 from .fused_moe_kernels import _down_kernel, _gate_up_kernel, _sum_choices_kernel, dot_flags
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
@@ -254,8 +253,7 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
     token_blocks = triton.cdiv(tokens, block_m)
     programs = routed_blocks + num_shared * token_blocks  # shared programs follow the routed blocks
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (w_gate_up,) * 3
-    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, **launch_flags(x.device), PREFETCH=pdl.PREFETCH,
-                 LINE=LINE_BYTES // x.element_size())
+    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, **launch_flags(x.device))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, w_gate_up, ws.sorted_pairs, block_expert, ws.h, gate, up,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from ..pdl import prefetch_runs, wait_for_producers
+from ..pdl import wait_for_producers
 
 
 def dot_flags(dtype: torch.dtype) -> dict:
@@ -102,16 +102,9 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wk, stride_hp, stride_shared,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t)."""
     pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
-    if PDL and PREFETCH:  # the shared experts' weights into L2 while the router runs (the routed
-        if pid_m >= routed_blocks:  # experts are known only once it ends)
-            n0 = tl.program_id(1) * BLOCK_N
-            rows = ((pid_m - routed_blocks) // token_blocks * inter + n0).to(tl.int64) * stride_shared
-            prefetch_runs(shared_gate_ptr + rows, stride_shared, tl.minimum(BLOCK_N, inter - n0), hidden, LINE, BLOCK_N, 32)
-            prefetch_runs(shared_up_ptr + rows, stride_shared, tl.minimum(BLOCK_N, inter - n0), hidden, LINE, BLOCK_N, 32)
     wait_for_producers(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < inter
@@ -144,23 +137,9 @@ def _down_kernel(
     stride_hp, stride_we, stride_wk, stride_yp, stride_shared,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, LINE: tl.constexpr,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared."""
     pid_m = tl.program_id(0)
-    if PDL and PREFETCH:  # this program's down weights into L2 while gate_up runs
-        n0 = tl.program_id(1) * BLOCK_N
-        width = tl.minimum(BLOCK_N, hidden - n0)
-        if pid_m < routed_blocks:
-            # The expert came from the router or the alignment, which ended before gate_up began
-            # its work (ddtree.pdl): safe to read before the wait.
-            expert, _ = _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)
-            if expert >= 0:
-                prefetch_runs(w_ptr + expert.to(tl.int64) * stride_we + n0, stride_wk, inter, width, LINE, 128, 1)
-        else:
-            shared = (pid_m - routed_blocks) // token_blocks
-            prefetch_runs(shared_down_ptr + n0.to(tl.int64) * stride_shared + shared * inter, stride_shared, width,
-                          inter, LINE, BLOCK_N, 32)
     wait_for_producers(PDL)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < hidden

@@ -103,11 +103,14 @@ class Router(nn.Module):
 # fused Triton kernels (fused_moe.py), above it the grouped GEMMs. On the H200 the fused path was
 # faster at every count measured (benchmarks/results/moe_paths-nvidia-h200.md): 2.8x at 1 token,
 # 1.7x at 65 and 1.25x at 520 (Moonlight's layer); 1.4x to 2.1x at 1 to 128 tokens and 1.23x at 520
-# (Kimi K2's). 520 rows is a budget-64 verify of 8 requests, the largest count measured.
-FUSED_MAX_TOKENS = 520
+# (Kimi K2's). In place, a budget-16 verify of 32 requests (544 rows) took 17.9 ms fused against
+# 20.7 ms grouped for Moonlight and 30.1 against 37.5 for Kimi K2's 4 layers (engine_round runs of
+# this day, before and after this bound was 520), so it covers 544; larger counts are unmeasured.
+FUSED_MAX_TOKENS = 544
 # Up to this many tokens MoE.forward(unsummed=True) leaves the sum over experts to the next norm:
-# a decode step saves a launch per layer (H200: the `ar` round 2.35 ms with it, 2.74 in a variant
-# without, dev/round_variants.py). More rows keep the sum kernel, whose grid spreads their reads.
+# a decode step saves a launch per layer (H200, graphed `ar` round, interleaved replays: 2.349 ms
+# with it, 2.370 without; benchmarks/results/decode_sweeps/). More rows keep the sum kernel, whose
+# grid spreads the reads of their expert rows over more programs than one per row.
 UNSUMMED_MAX_TOKENS = 16
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import multiprocessors, require_kernel_device
-from ..pdl import LINE_BYTES, launch_flags, prefetch_mode, prefetch_runs, wait_for_producers
+from ..pdl import launch_flags, wait_for_producers
 from .fused_moe_kernels import _matmul_tile, dot_flags
 
 BLOCK_M = 16
@@ -42,18 +42,11 @@ def _skinny_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K,
     stride_xb, stride_xm, stride_xk, stride_wb, stride_wk, stride_wn, stride_ob, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    if PDL:  # while the previous kernel runs: this program's weight columns into L2 (pdl.prefetch_mode)
-        n0 = pid_n.to(tl.int64) * BLOCK_N
-        if PREFETCH == 1:  # one run of K per output column
-            prefetch_runs(w_ptr + b * stride_wb + n0 * stride_wn, stride_wn, tl.minimum(BLOCK_N, N - n0), K,
-                          LINE, BLOCK_N, 32)
-        elif PREFETCH == 2:  # one run of the program's columns per K row
-            prefetch_runs(w_ptr + b * stride_wb + n0, stride_wk, K, tl.minimum(BLOCK_N, N - n0), LINE, 128, 1)
-    wait_for_producers(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -124,7 +117,6 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         x, w, out, rows, cols, depth, *x.stride(), *w.stride(), *out.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         **dot_flags(x.dtype), num_warps=num_warps, num_stages=num_stages, **launch_flags(x.device),
-        PREFETCH=prefetch_mode(w.stride(1), w.stride(2)), LINE=LINE_BYTES // w.element_size(),
     )
     return out
 

@@ -18,6 +18,7 @@ cache-entry kernels, the Gluon attention and its split merge.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -25,7 +26,9 @@ import triton.language as tl
 from triton import knobs
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLED = True  # the switch; dev/round_variants.py times the decode round both ways
+# The switch: on unless DDTREE_PDL=0 is set (for debugging a kernel in isolation; the results are the
+# same bits either way). dev/round_variants.py times the decode round both ways.
+ENABLED = os.environ.get("DDTREE_PDL", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)

@@ -86,7 +86,8 @@ def main() -> None:
                         help="launch without programmatic dependent launch, so that kernel times do not overlap")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
-    pdl.ENABLED = not args.no_pdl
+    if args.no_pdl:
+        pdl.ENABLED = False
     device = torch.device("cuda")
     target, drafter, _, _ = build_pair(args.config, args.layers, device)
     pb = PrefixBatch(target, drafter, args.batch, args.prefix, args.budget + 1)

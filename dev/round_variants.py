@@ -1,12 +1,18 @@
 """Dev: one graphed engine round under variants of module constants, each timed and profiled in one
 process (benchmarks/profile_round.py is the committed benchmark). Run from the repository root
 with PYTHONPATH=src:benchmarks.
-usage: round_variants.py OUT.json BATCH BUDGET variant [variant ...]; a variant is
-comma-separated key=value: skinny=0|1, pdl=0|1
-(ddtree.pdl.ENABLED), attnpdl=0 (the
-attention and its merge launched without PDL), fold=0 (the MoE's expert sum in its own launch, not in
-the next norm), direct=0|1 (fused_moe.DIRECT_MAX_TOKENS 0 or 1), narrow=NxK, stages=S (fused MoE),
-or 'base'."""
+
+usage: round_variants.py OUT.json BATCH BUDGET variant [variant ...]
+
+A variant is 'base' (the defaults) or comma-separated key=value pairs:
+    skinny=0|1     the few-row GEMM kernel (skinny.MAX_ROWS) off / on
+    pdl=0|1        programmatic dependent launch (ddtree.pdl.ENABLED)
+    attnpdl=0      the attention and its split merge launched without PDL
+    fold=0         the MoE's expert sum in its own launch, not in the next norm (MoE.forward's
+                   unsummed ignored)
+    direct=0|1     the fused MoE's one-token direct mode (fused_moe.DIRECT_MAX_TOKENS 0 or 1)
+    narrow=NxK, wide=NxK, stages=S   fused MoE tiles (NARROW_TILES, BLOCK_N x BLOCK_K, NUM_STAGES)
+"""
 import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile

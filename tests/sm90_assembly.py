@@ -44,3 +44,15 @@ def compiled_in_fresh_interpreter(code: str):
     if done.returncode:
         pytest.fail(done.stderr[-3000:])
     return json.loads(done.stdout.splitlines()[-1])
+
+
+GLOBAL_ACCESS = re.compile(r"\b(?:(?:ld|st|atom|red)\.global|cp\.async|cp\.reduce\.async)")
+
+
+def waits_before_memory(ptx: str) -> bool:
+    """Whether the PTX's first griddepcontrol.wait (ddtree.pdl) comes before its first global
+    memory access (load, store, atomic, async or bulk copy): the rule of a kernel launched with
+    programmatic dependent launch. False when there is no wait."""
+    wait = ptx.find("griddepcontrol.wait")
+    first = GLOBAL_ACCESS.search(ptx)
+    return wait >= 0 and (first is None or wait < first.start())

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) for the decode step's small Triton kernels (sm_90 and up).
 
-A Moonlight decode step is about 440 dependent kernels of a few microseconds each. Without PDL
+A Moonlight decode step is about 390 dependent kernels of a few microseconds each. Without PDL
 each one launches only after the previous grid has drained, then ramps up. A kernel launched with
 PDL starts while its predecessor still runs: its programs wait in `wait_for_producers`
 (griddepcontrol.wait: the previous grid has finished and its writes are visible), then let the

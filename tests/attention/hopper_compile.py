@@ -17,7 +17,7 @@ from triton.runtime.jit import native_specialize_impl
 
 from ddtree.attention import tree_verify_hopper
 
-from ..sm90_assembly import assemble
+from ..sm90_assembly import assemble, waits_before_memory
 
 
 
@@ -60,4 +60,5 @@ def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
         "hgmma": Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", asm["sass"])),
         "ttgir": compiled.asm["ttgir"],
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
+        "waits_first": waits_before_memory(compiled.asm["ptx"]),
     }

@@ -12,7 +12,7 @@ from triton.compiler import ASTSource
 
 from ddtree.models import fused_moe, fused_moe_kernels, moe_align
 
-from ..sm90_assembly import assemble
+from ..sm90_assembly import assemble, waits_before_memory
 
 # Integer arguments that a launch at Kimi K2 / Moonlight shapes does not see as multiples of 16;
 # Triton specializes every other pointer and integer there as 16-divisible, and so does this.
@@ -22,7 +22,8 @@ NOT_DIVISIBLE = {"num_pairs", "num_tokens", "top_k", "num_experts", "num_blocks"
 def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1,
                    not_divisible: tuple[str, ...] = ()) -> dict:
     """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n,
-    "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
+    "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait,
+    "waits_first": the first wait comes before any global memory access} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
     Triton types ("*bf16", "fp32"); not_divisible: more arguments not specialized as 16-divisible.
     A kernel with a PDL constexpr is compiled with it on, as an H200 launches it (ddtree.pdl)."""
     if "PDL" in fn.arg_names:
@@ -47,6 +48,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
+        "waits_first": waits_before_memory(compiled.asm["ptx"]),
     }
 
 

@@ -24,4 +24,4 @@ def test_no_spills_tensor_cores_and_pipelined_loads(reports):
         assert report["mma"] > 0, (name, report)
         assert report["async_copies"] > 0, (name, report)
         assert report["shared"] <= 232448, (name, report)
-        assert report["pdl_waits"] >= 1, (name, report)  # launched with PDL (ddtree.pdl): waits first
+        assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)  # PDL (ddtree.pdl): waits first

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.models import TargetConfig
-from ddtree.models import fused_moe as fused_moe_module
 from ddtree.models import moe as moe_module
 from ddtree.models.fused_moe import (BLOCK_K, BLOCK_N, NARROW_TILES, SharedExperts, Workspace, block_m_for, fused_moe,
                                      tiles_for)
@@ -278,33 +277,6 @@ def test_fused_moe_rejects_bad_inputs(change, match, kernel_device):
     change(args, kernel_device)  # on the kernel's device, so each case fails its own check, not the device's
     with pytest.raises((ValueError, TypeError), match=match):
         fused_moe(**args)
-
-
-@pytest.mark.parametrize("num_shared", [0, 2])
-def test_direct_mode_for_one_token_equals_the_aligned_path(num_shared, kernel_device, monkeypatch):
-    """One token: the kernels skip the alignment (one program per choice, the expert read from ids;
-    the alignment's buffers stay as poisoned) and give the aligned path's bits, within the float64
-    reference's tolerance."""
-    case = Case(1, 3, 7, 40, 24, seed=21)
-    x, w_gate_up, w_down, weights, ids = make_inputs(case, torch.bfloat16, kernel_device)
-    shared = make_shared(case, num_shared, torch.bfloat16, kernel_device) if num_shared else None
-    outs = {}
-    for direct in (0, 1):
-        monkeypatch.setattr(fused_moe_module, "DIRECT_MAX_TOKENS", direct)
-        ws = Workspace.empty(1, case.top_k, case.experts, case.hidden, case.inter, torch.bfloat16, kernel_device,
-                             num_shared=num_shared)
-        ws.sorted_pairs.fill_(POISON_INT)
-        ws.block_expert.fill_(POISON_INT)
-        for buf in (ws.h, ws.y):
-            buf.fill_(float("nan"))
-        outs[direct] = fused_moe(x, w_gate_up, w_down, weights, ids, shared=shared, workspace=ws)
-        assert not torch.isnan(ws.y).any(), "a choice's row was not written"
-        aligned = bool((ws.block_expert != POISON_INT).any())
-        assert aligned == (not direct), "the alignment runs exactly when the direct mode is off"
-    assert torch.equal(outs[0], outs[1])
-    cpu = SharedExperts(shared.gate.cpu(), shared.up.cpu(), shared.down.cpu()) if shared is not None else None
-    assert_close(outs[1], moe_reference(x.cpu(), w_gate_up.cpu(), w_down.cpu(), weights.cpu(), ids.cpu(), cpu),
-                 TOL[torch.bfloat16])
 
 
 # ---- MoE.forward's switch ---------------------------------------------------------------------------

@@ -34,4 +34,4 @@ def test_every_kernel_waits_for_its_producer_first(reports):
     the grid-dependency wait that keeps it from reading its inputs before the previous kernel ends."""
     assert set(reports) == {"align", "gate_up", "down", "gate_up_direct", "down_direct", "sum"}
     for name, report in reports.items():
-        assert report["pdl_waits"] >= 1, (name, report)
+        assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)

@@ -21,4 +21,4 @@ def test_router_compiles_without_spills_or_fast_divides(reports):
     for name, report in reports.items():
         assert report["spill_bytes"] == 0 and report["registers"] <= 255, (name, report)
         assert report["approx_divides"] == 0, (name, report)
-        assert report["pdl_waits"] >= 1, (name, report)  # launched with PDL (ddtree.pdl): waits first
+        assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)  # PDL (ddtree.pdl): waits first

@@ -17,6 +17,7 @@ BLOCK_M = 64  # query rows (node, head) per program
 BLOCK_N = 64  # keys per KV tile
 MAX_SPLITS = 32
 MERGE_BLOCK_V = 128  # value columns per program of the split merge: 4 programs per (node, head) row
+assert VALUE_DIM % MERGE_BLOCK_V == 0, "the merge kernel has no column mask"
 MIN_KEYS_PER_SPLIT = 256
 
 

@@ -23,8 +23,8 @@ from .fused_mla import ENTRY_WARPS, _latent_entry, _rotate, check_latent_inputs
 from .fused_moe_kernels import _matmul_tile, dot_flags
 from .skinny import BLOCK_M, MAX_ROWS, NUM_STAGES, NUM_WARPS, block_k_for
 
-# One warp count for the whole launch: the entries must reduce as write_latent_entries does.
-assert NUM_WARPS == ENTRY_WARPS, "absorbed_query's cache entries need fused_mla.ENTRY_WARPS warps"
+if NUM_WARPS != ENTRY_WARPS:  # one warp count for the launch: entries must reduce as write_latent_entries does
+    raise ImportError(f"absorbed_query launches {NUM_WARPS} warps, fused_mla.ENTRY_WARPS is {ENTRY_WARPS}")
 BLOCK_N = 32  # latent columns per GEMM program: 16 heads x 512 / 32 = 256 programs at Moonlight's shape
 
 

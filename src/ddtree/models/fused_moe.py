@@ -13,7 +13,7 @@ One token (a decode step) skips the alignment (DIRECT_MAX_TOKENS): one routed pr
 its expert read from ids, since a token's choices are distinct experts.
 
 The shared experts (DeepSeek-V3's n_shared_experts, one MLP of S x the routed width) ride in the
-same three launches as S more experts that every token takes with weight 1, read in place from the
+same launches as S more experts that every token takes with weight 1, read in place from the
 MLP's weights (fused_moe_kernels.py): at a decode token that saves the MLP's own GEMMs, its silu,
 mul and the add, and reads its weights at the fused kernels' bandwidth.
 
@@ -204,7 +204,8 @@ def fused_moe(
     block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
                 block_m_for(T * k, E) and tiles_for(T * k + S * T, inter).
     unsummed:   return ExpertRows, the rows before their sum, for a consumer that sums them
-                (`out` is then unused).
+                (`out` is then unused). Its rows are workspace.y: a later call with the same
+                workspace overwrites them, so sum them first.
     Returns out: x.dtype [T, hidden]; expert outputs (routed in choice order, then shared) are
     summed in float32, then cast once.
     """
@@ -218,9 +219,10 @@ def fused_moe(
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if size < 16 or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
-    if out is None:
+    if out is None and not unsummed:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
+                            or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {x.dtype} [{tokens}, {hidden}] on {x.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
     if workspace is None:

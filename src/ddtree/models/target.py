@@ -159,9 +159,10 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward_prefill(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_paged(self, x: torch.Tensor, delta: torch.Tensor | None, meta: ForwardMeta | PrefillMeta,
+    def forward_paged(self, x: torch.Tensor, delta: torch.Tensor | ExpertRows | None,
+                      meta: ForwardMeta | PrefillMeta,
                       cache: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      router_ids: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      router_ids: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | ExpertRows]:
         """The layer's input is x + delta (delta: the previous layer's MLP output, None for the
         first), so that each residual add runs inside the norm after it. Returns (residual,
         mlp_out): [B, N, hidden] each, or for mlp_out on the fused MoE path its unsummed

@@ -15,8 +15,8 @@ A variant is 'base' (the defaults) or comma-separated key=value pairs:
 """
 import json, sys
 import torch
-from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, "benchmarks")
+from profile_round import kernel_table
 from round_setup import PrefixBatch, build_pair
 from ddtree.engine.round import RoundPlan, run_round
 from ddtree.engine.timing import StageTimer
@@ -104,12 +104,7 @@ with torch.no_grad():
             g.replay(); torch.cuda.synchronize()
             same &= bool(torch.equal(res, ref)) and all(torch.equal(c, r) for c, r in zip(pb.caches, ref_cache))
         ts = sorted(times[name])
-        n = 5
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n): g.replay()
-            torch.cuda.synchronize()
-        ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-        rows = sorted(((e.key[:100], e.count / n, e.device_time_total / n) for e in ev), key=lambda r: -r[2])
+        rows = kernel_table(g, 5)
         total = sum(r[2] for r in rows)
         q = lambda f: ts[int(f * (len(ts) - 1))]
         print(f"[{name}] B={batch} budget={budget}: replay median {q(0.5):.3f} ms (p10 {q(0.1):.3f}, p90 {q(0.9):.3f}, "

@@ -137,6 +137,11 @@ class ExpertRows:
         return out
 
 
+def expert_sum(delta: torch.Tensor | ExpertRows | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A layer's MLP output as a tensor of x's shape: ExpertRows summed (one launch), else as given."""
+    return delta.summed().view(x.shape) if isinstance(delta, ExpertRows) else delta
+
+
 def _check(x, w_gate_up, w_down, weights, ids, shared: SharedExperts | None) -> int:
     """Raises on a bad input; returns the number of shared experts."""
     if x.dim() != 2:

@@ -77,12 +77,11 @@ def _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_expe
     """(expert, pairs [BLOCK_M]) of routed program pid_m; expert -1: nothing to do. DIRECT: one
     pair per program, pair pid_m, and block_expert_ptr is the router's ids itself (no alignment:
     a single token's choices are distinct experts); padding lanes hold num_pairs."""
+    expert = tl.load(block_expert_ptr + pid_m)
     if DIRECT:
-        expert = tl.load(block_expert_ptr + pid_m)
         expert = tl.where((expert >= 0) & (expert < num_experts), expert, -1)
         pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
     else:
-        expert = tl.load(block_expert_ptr + pid_m)
         pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     return expert, pair
 
@@ -104,8 +103,8 @@ def _gate_up_kernel(
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t)."""
-    pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     wait_for_producers(PDL)
+    pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -139,8 +138,8 @@ def _down_kernel(
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared."""
-    pid_m = tl.program_id(0)
     wait_for_producers(PDL)
+    pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
@@ -166,16 +165,24 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_choices_kernel(y_ptr, out_ptr, hidden, num_pairs, num_tokens,
-                        TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = y[t, 0] + ... + y[t, k-1] (+ the S shared rows of t), float32, in that order."""
-    wait_for_producers(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < hidden
-    acc = tl.zeros([BLOCK], tl.float32)
+def _sum_expert_rows(y_ptr, token, offs, ok, hidden, num_pairs, num_tokens, TOP_K: tl.constexpr, SHARED: tl.constexpr):
+    """y[t, 0] + ... + y[t, k-1] (+ the S shared rows of t) at columns offs, float32, in that order:
+    the sum kernel's and fused_norm's (an ExpertRows delta) alike, so both give the same bits."""
+    acc = tl.zeros(offs.shape, tl.float32)
     for j in tl.static_range(TOP_K):  # a fixed order: the same bits in every run and graph replay
         acc += tl.load(y_ptr + (token * TOP_K + j) * hidden + offs, mask=ok, other=0.0)
     for s in tl.static_range(SHARED):
         acc += tl.load(y_ptr + (num_pairs + s * num_tokens + token) * hidden + offs, mask=ok, other=0.0)
+    return acc
+
+
+@triton.jit
+def _sum_choices_kernel(y_ptr, out_ptr, hidden, num_pairs, num_tokens,
+                        TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = _sum_expert_rows(t), rounded to out's dtype."""
+    wait_for_producers(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < hidden
+    acc = _sum_expert_rows(y_ptr, token, offs, ok, hidden, num_pairs, num_tokens, TOP_K, SHARED)
     tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)

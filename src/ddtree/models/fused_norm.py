@@ -19,20 +19,10 @@ import triton.language as tl
 from ..kernels import require_kernel_device
 from ..pdl import launch_flags, wait_for_producers
 from .fused_moe import ExpertRows
+from .fused_moe_kernels import _sum_expert_rows
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_COLS = 65536  # one row lives in one program's registers
-
-
-@triton.jit
-def _expert_sum(y_ptr, row, offs, ok, cols, num_pairs, num_tokens, TOP_K: tl.constexpr, SHARED: tl.constexpr):
-    """fused_moe's sum over one token's expert rows (ExpertRows), float32, in _sum_choices_kernel's order."""
-    acc = tl.zeros(offs.shape, tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (row * TOP_K + j) * cols + offs, mask=ok, other=0.0)
-    for s in tl.static_range(SHARED):
-        acc += tl.load(y_ptr + (num_pairs + s * num_tokens + row) * cols + offs, mask=ok, other=0.0)
-    return acc
 
 
 @triton.jit
@@ -50,7 +40,7 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_xr + offs, mask=ok, other=0.0)
     if HAS_DELTA:
         if TOP_K + SHARED > 0:  # delta is fused_moe's unsummed rows: its sum, rounded as it rounds it
-            delta = _expert_sum(delta_ptr, row, offs, ok, cols, num_tokens * TOP_K, num_tokens, TOP_K, SHARED)
+            delta = _sum_expert_rows(delta_ptr, row, offs, ok, cols, num_tokens * TOP_K, num_tokens, TOP_K, SHARED)
             delta = delta.to(x_ptr.dtype.element_ty)
         else:
             delta = tl.load(delta_ptr + row * stride_dr + offs, mask=ok, other=0.0)
@@ -111,7 +101,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if experts is not None:
         rows = x.numel() // cols if cols else 0
-        if experts.dtype != x.dtype or experts.tokens != rows or experts.y.shape[1] != cols or not experts.y.is_contiguous():
+        if (experts.dtype != x.dtype or experts.tokens != rows or experts.y.shape[1] != cols
+                or not experts.y.is_contiguous()):
             raise ValueError(f"delta's expert rows must sum to x's {rows} rows of {cols} in {x.dtype}, got "
                              f"{experts.tokens} tokens of {experts.y.shape[1]} in {experts.dtype}")
     elif delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):

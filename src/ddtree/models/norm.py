@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..kernels import use_kernel
-from .fused_moe import ExpertRows
+from .fused_moe import ExpertRows, expert_sum
 from .fused_norm import DTYPES, rms_norm
 
 
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
         if isinstance(delta, ExpertRows):  # the kernel sums the rows itself; PyTorch wants the sum
             if self._use_kernel(x, None) and delta.dtype == x.dtype:
                 return rms_norm(x, self.weight, self.eps, delta)
-            delta = delta.summed().view(x.shape)
+            delta = expert_sum(delta, x)
         if self._use_kernel(x, delta):
             return rms_norm(x, self.weight, self.eps, delta)
         if delta is None:

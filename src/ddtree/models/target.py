@@ -20,7 +20,7 @@ from torch import nn
 from ..kernels import use_kernel
 from . import joint, skinny
 from .config import TargetConfig
-from .fused_moe import ExpertRows
+from .fused_moe import ExpertRows, expert_sum
 from .moe import MLP, MoE
 from .norm import RMSNorm
 from .paged import ForwardMeta, absorbed_attention, attend, write_entries
@@ -166,17 +166,12 @@ class DecoderLayer(nn.Module):
         """The layer's input is x + delta (delta: the previous layer's MLP output, None for the
         first), so that each residual add runs inside the norm after it. Returns (residual,
         mlp_out): [B, N, hidden] each, or for mlp_out on the fused MoE path its unsummed
-        ExpertRows (the next norm sums them; expert_sum(...) gives the tensor); their sum is the
+        ExpertRows (the next norm sums them; fused_moe.expert_sum gives the tensor); their sum is the
         layer's output."""
         attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm(x, delta)
         x, h = self.post_attention_layernorm(x, attn(h, meta, cache, rope))
         return x, (self.mlp(h, router_ids, unsummed=True) if isinstance(self.mlp, MoE) else self.mlp(h))
-
-
-def expert_sum(delta: torch.Tensor | ExpertRows | None, x: torch.Tensor) -> torch.Tensor | None:
-    """A layer's mlp_out as a tensor of x's shape: ExpertRows summed (one launch), else as given."""
-    return delta.summed().view(x.shape) if isinstance(delta, ExpertRows) else delta
 
 
 class Target(nn.Module):

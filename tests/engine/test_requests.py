@@ -129,7 +129,8 @@ def test_bad_requests_are_refused_before_they_queue(engine):
         (dict(prompt=[]), "prompt is empty"),
         (dict(prompt=[1, 96]), r"token ids must be ints in \[0, 96\)"),
         (dict(prompt=[1], mode="beam"), "mode must be one of"),
-        (dict(prompt=[1], budget=0), r"budget must be an int in \[1, max_budget=256\]"),
+        (dict(prompt=[1], budget=0), r"budget must be \"auto\" or an int in \[1, max_budget=256\]"),
+        (dict(prompt=[1], budget="big"), r"budget must be \"auto\" or an int"),
         (dict(prompt=[1] * 250, params=SamplingParams(max_new_tokens=10)), "exceeds max_model_len=256"),
     ]
     for kwargs, match in cases:

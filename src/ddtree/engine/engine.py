@@ -20,16 +20,19 @@ import torch
 from ..models import Drafter, Target
 from ..tree.types import MAX_TRITON_BUDGET
 from .batch import BatchState, SlotSettings
+from .costs import RoundCosts, pair_signature
 from .generate import OfflineGeneration
 from .graphs import RoundGraphs, graphs_wanted
 from .inflight import Flight, launch_copy
 from .loading import default_num_pages, load_pair
 from .pages import BlockManager, KVCacheFull, pages_for
 from .prefill import PREFILL_FORMS, prefill
-from .request import MODES, Request, RequestOutput, StepOutput
+from .profiling import buckets_up_to, measure_round_costs
+from .request import Request, RequestOutput, StepOutput, node_limit_for
 from .round import RoundContext, run_round
 from .sampling import SamplingParams
 from .scheduling import batch_requests, generation_params
+from .sizing import DEFAULT_TREE_SIZES, tree_sizer
 from .timing import StageTimer
 
 
@@ -38,7 +41,8 @@ class Engine(OfflineGeneration):
                  max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
                  max_budget: int = 256, prefill_chunk: int = 512, prefill_form: str = "expanded",
                  stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, tree_sizes: tuple[int, ...] = DEFAULT_TREE_SIZES,
+                 round_costs: RoundCosts | str | Path | None = None):
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
@@ -51,6 +55,9 @@ class Engine(OfflineGeneration):
         (benchmarks/results/engine_round-moonlight-16b-a3b-nvidia-h200.md).
         overlap: read a round's committed tokens back while the next round runs (engine/inflight.py):
         a step returns what the previous round committed. False: each step waits for its own round.
+        tree_sizes: the sizes a budget="auto" round may verify (those <= max_budget; plain steps
+        too); round_costs: the measured cost table (engine/costs.py, or a JSON path from `ddtree
+        profile`; None: measured when first needed, engine/profiling.py).
         The engine freezes the models it is given (requires_grad False on every weight)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         # Serving never differentiates: without this, every cache write from a weight that
@@ -88,6 +95,8 @@ class Engine(OfflineGeneration):
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
         use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
+        self.signature = pair_signature(target, drafter, self.device, use)
+        self.sizer = tree_sizer(tree_sizes, max_budget, self.max_depth, round_costs, self.signature) if drafter else None
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._requests: dict[str, Request] = {}
@@ -109,6 +118,21 @@ class Engine(OfflineGeneration):
         engine_args.setdefault("stop_token_ids", stops)  # an explicit () means: no end-of-text tokens
         return cls(target, drafter, tokenizer, **engine_args)
 
+    def measure_round_costs(self, max_requests: int | None = None, **options) -> RoundCosts:
+        """Measure what the cost table lacks for batches of up to max_requests (default max_batch)
+        requests, on an engine with nothing running (engine/profiling.py: options; queued requests
+        wait); returns the table, which budget="auto" rounds use from then on."""
+        if self.sizer is None:
+            raise ValueError("round costs are for tree sizes: this engine has no drafter")
+        missing = self.sizer.unmeasured(buckets_up_to(max_requests or self.max_batch, self.max_batch))
+        if missing:
+            queued, self._waiting = self._waiting, deque()
+            try:
+                self.sizer.add_costs(measure_round_costs(self, missing, **options))
+            finally:
+                self._waiting.extend(queued)
+        return self.sizer.costs
+
     # -- requests ------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -123,15 +147,13 @@ class Engine(OfflineGeneration):
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *, mode: str = "ddtree",
-                    budget: int = 64, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Everything is checked here, before it can take a slot."""
+                    budget: int | str = "auto", request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Everything is checked here, before it can take a slot.
+        budget (mode ddtree): tree nodes per round, or "auto": the engine chooses each round's size
+        by measured cost and expected acceptance (engine/sizing.py), plain steps included."""
         params = (params or SamplingParams()).with_seed()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if mode != "ar" and self.drafter is None:
-            raise ValueError(f"mode {mode!r} needs a drafter; this engine has none (use mode='ar')")
-        if mode == "ddtree" and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= self.max_budget):
-            raise ValueError(f"budget must be an int in [1, max_budget={self.max_budget}], got {budget!r}")
+        node_limit = node_limit_for(mode, budget, self.max_budget, self.max_depth,
+                                    self.sizer.info_nodes if self.sizer is not None else None)
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -141,7 +163,6 @@ class Engine(OfflineGeneration):
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        node_limit = {"ar": 0, "chain": self.max_depth, "ddtree": budget}[mode]
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
         request = Request(request_id, ids, params, mode, budget, node_limit, stops, self.tokenizer)
         worst = request.worst_rows()
@@ -194,6 +215,16 @@ class Engine(OfflineGeneration):
         it still owes tokens to holds its slot (is running) until they have been read."""
         return bool(self._running or self._waiting)
 
+    @property
+    def inflight(self) -> bool:
+        """A round was launched and its result not read yet (overlap)."""
+        return self._inflight is not None
+
+    def drain(self) -> list[StepOutput]:
+        """Wait for the round in flight (overlap) and commit what it committed; its outputs."""
+        flight, self._inflight = self._inflight, None
+        return self._collect(flight) if flight is not None else []
+
     def _live(self, request: Request) -> bool:
         return not request.finished and self._requests.get(request.id) is request
 
@@ -205,6 +236,9 @@ class Engine(OfflineGeneration):
         ones included: every active slot of the batch takes part). Returns, per request, what it
         committed since the last step: with overlap, the round launched by the previous step (read
         while this step's round runs), else this step's. Finished requests have left the batch."""
+        if self.sizer is not None and self.sizer.forced is None and not self._running and self._inflight is None \
+                and any(r.auto for r in self._waiting):  # measure before the first "auto" round of these batches
+            self.measure_round_costs(len(self._waiting))
         outputs = {out.request_id: out for out in self._admit()}
         launched = self._launch([r for _, r in sorted(self._running.items())]) if self._running else None
         ready, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)
@@ -278,13 +312,10 @@ class Engine(OfflineGeneration):
             accepted = row[0]
             request.prefix_len += accepted
             kept = request.commit(row[1 : 1 + accepted])
-            stats = request.stats
-            stats.rounds += 1
-            stats.acceptance_lengths.append(len(kept))
-            for stage, s in seconds.items():
-                stats.stage_seconds[stage] += s
-            if stats.experts_touched is not None and flight.plan.experts:
-                stats.experts_touched.append(row[2 + self.max_depth : 2 + self.max_depth + self.moe_layers])
+            experts = row[2 + self.max_depth : 2 + self.max_depth + self.moe_layers] if flight.plan.experts else None
+            request.stats.add_round(len(kept), min(request.node_limit, flight.plan.budget), seconds, experts)
+            if request.auto and self.sizer.forced is None:
+                self.sizer.learn(request, row, flight.plan, self.moe_layers)
             outputs.append(self._finish_or_stream(request, kept))
         return outputs
 

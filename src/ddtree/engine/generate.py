@@ -10,10 +10,12 @@ from .scheduling import per_prompt_params
 class OfflineGeneration:
     """Engine's offline entry point (a mixin: it calls add_request, abort, step and take_result)."""
 
-    def generate(self, prompts: list, max_new_tokens=128, mode: str = "ddtree", budget=64, temperature=0.0,
+    def generate(self, prompts: list, max_new_tokens=128, mode: str = "ddtree", budget="auto", temperature=0.0,
                  top_p=1.0, top_k=0, seed=None, stop=None, *, progress: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (strings, or lists of token ids); any setting may be a list
-        with one value per prompt. Returns one RequestOutput per prompt, in order."""
+        with one value per prompt. budget: tree nodes per round, or "auto" (the engine chooses each
+        round; on an idle engine without a cost table, the first step measures the batches the
+        queued prompts can form). Returns one RequestOutput per prompt, in order."""
         per_request = per_prompt_params(len(prompts), max_new_tokens=max_new_tokens, temperature=temperature,
                                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop)
         modes = mode if isinstance(mode, list) else [mode] * len(prompts)

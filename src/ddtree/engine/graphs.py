@@ -53,7 +53,7 @@ def graph_key_limit(key_limit: int | None, capacity: int) -> int | None:
 class RoundGraphs:
     """Per-plan CUDA graphs of run_round over one engine's context and batch state."""
 
-    def __init__(self, ctx: RoundContext, state: BatchState, max_depth: int, max_graphs: int = 64):
+    def __init__(self, ctx: RoundContext, state: BatchState, max_depth: int, max_graphs: int = 256):
         """max_graphs: plans to keep graphs for; a new plan past it runs eagerly."""
         if state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the engine on a CUDA device, got {state.device}")

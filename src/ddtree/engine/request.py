@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .forecast import RequestForecast
 from .sampling import SamplingParams
 from .text import TextStream
 from .timing import STAGES
@@ -18,18 +19,47 @@ class GenerationStats:
     nodes + the bonus; 1 in ar), so 1 + sum == len(token_ids); tokens_per_s: generated tokens over
     the time from the request's prefill to its end; stage_seconds: time of the rounds it took part
     in, per stage (a batched round's time counts for each of its requests); experts_touched: per
-    round, per MoE layer, the distinct routed experts its verify rows touched (None without MoE)."""
+    round, per MoE layer, the distinct routed experts its verify rows touched (None without MoE);
+    tree_sizes: per round, the tree nodes it verified (0: a plain decode step; budget="auto"
+    chooses it each round)."""
 
     rounds: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     tokens_per_s: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     experts_touched: list[list[int]] | None = None
+    tree_sizes: list[int] = field(default_factory=list)
+
+    def add_round(self, committed: int, tree_size: int, seconds: dict[str, float], experts: list[int] | None) -> None:
+        """One round read back: tokens it kept, nodes it verified, stage times, experts per layer."""
+        self.rounds += 1
+        self.acceptance_lengths.append(committed)
+        self.tree_sizes.append(tree_size)
+        for stage, s in seconds.items():
+            self.stage_seconds[stage] += s
+        if self.experts_touched is not None and experts is not None:
+            self.experts_touched.append(experts)
 
     @property
     def mean_acceptance_length(self) -> float:
         n = len(self.acceptance_lengths)
         return sum(self.acceptance_lengths) / n if n else 0.0
+
+
+def node_limit_for(mode: str, budget, max_budget: int, max_depth: int, auto_nodes: int | None) -> int:
+    """The most tree nodes a round may verify for a request of `mode` and `budget`, after checking
+    both: 0 for ar, D for chain, the budget for ddtree (auto_nodes for "auto"; None: no drafter)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "ar" and auto_nodes is None:
+        raise ValueError(f"mode {mode!r} needs a drafter; this engine has none (use mode='ar')")
+    if mode != "ddtree":
+        return 0 if mode == "ar" else max_depth
+    if budget == "auto":
+        return auto_nodes
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= max_budget:
+        raise ValueError(f'budget must be "auto" or an int in [1, max_budget={max_budget}], got {budget!r}')
+    return budget
 
 
 @dataclass
@@ -58,8 +88,10 @@ class StepOutput:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: str, budget: int,
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, mode: str, budget: int | str,
                  node_limit: int, stop_ids: frozenset[int], tokenizer):
+        """budget: an int, or "auto" (mode ddtree: the engine sizes each round's tree, engine/sizing.py);
+        node_limit: the most tree nodes a round may verify for it (0 ar, D chain)."""
         self.id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
@@ -75,6 +107,16 @@ class Request:
         self.stats = GenerationStats()
         self.started = 0.0
         self.ended = 0.0
+        self.forecast = RequestForecast() if self.auto else None
+
+    @property
+    def auto(self) -> bool:
+        """The engine chooses this request's tree size every round."""
+        return self.mode == "ddtree" and self.budget == "auto"
+
+    def remaining_tokens(self) -> int:
+        """Tokens it may still commit, as the host has seen so far."""
+        return self.params.max_new_tokens - len(self.output)
 
     @property
     def finished(self) -> bool:

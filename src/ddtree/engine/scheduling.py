@@ -23,10 +23,17 @@ def generation_params(params: list[SamplingParams]) -> tuple[bool, bool]:
 
 def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPlan:
     """The plan of one round over `requests` (each in its slot); behind: tokens a round still in
-    flight may have committed beyond the host's prefix lengths."""
+    flight may have committed beyond the host's prefix lengths. "auto" requests take the size
+    engine.sizer chooses (at least what the batch's other requests need)."""
     bucket = bucket_for(max(r.slot for r in requests) + 1, engine.max_batch)
-    budget = max(r.node_limit for r in requests)
-    trees = [r.budget for r in requests if r.mode == "ddtree"]
+    auto = [r for r in requests if r.auto]
+    fixed = [r for r in requests if not r.auto]
+    budget = max((r.node_limit for r in fixed), default=0)
+    if auto:
+        expected = sum(r.stats.mean_acceptance_length or 1.0 for r in fixed)
+        budget = engine.sizer.choose(bucket, auto, expected, budget)
+    info = engine.sizer.info_nodes if auto and budget > 0 else 0
+    trees = [r.budget for r in fixed if r.mode == "ddtree"] + ([info] if info else [])
     k = min(max(trees), engine.target.cfg.vocab_size) if trees else 1
     sampled, filtered = generation_params([r.params for r in requests])
     key_limit = None
@@ -35,8 +42,11 @@ def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPla
         longest = max(r.prefix_len for r in requests) + behind + block
         capacity = engine.state.drafter.keys[0].shape[1]
         key_limit = min(capacity, -(-longest // 64) * 64)
+    # "auto" requests keep the drafter's context current through plain steps too, so that a tree
+    # can follow any step.
     return RoundPlan(bucket=bucket, budget=budget, k=k if budget else 0, any_sampled=sampled, any_filtered=filtered,
-                     key_limit=key_limit, features=budget > 0, experts=engine.moe_layers > 0)
+                     key_limit=key_limit, features=budget > 0 or bool(auto), experts=engine.moe_layers > 0,
+                     info_nodes=info)
 
 
 def per_prompt_params(count: int, *, max_new_tokens, temperature, top_p, top_k, seed, stop) -> list[SamplingParams]:

@@ -1,0 +1,120 @@
+"""What one engine step costs, per batch bucket and tree size, on the device the engine runs on.
+
+A `RoundCosts` table holds measured seconds (engine/profiling.py measures them; `ddtree profile`
+writes them as JSON) for each (bucket, size): size 0 is a plain decode step, size n a round that
+verifies n tree nodes per request. The table belongs to one model pair on one device: it records
+what it was measured for (`pair_signature`) and refuses to be used for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "ddtree.round_costs/1"
+
+
+def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool) -> dict:
+    """What a cost table depends on: the two models' shapes, their dtype, the device, graphs on or off."""
+    cfg = target.cfg
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    signature = {
+        "device": name,
+        "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "cuda_graphs": bool(cuda_graphs),
+        "target": {key: getattr(cfg, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size",
+                                                      "n_routed_experts", "num_experts_per_tok", "kv_lora_rank")},
+    }
+    if drafter is not None:
+        d = drafter.cfg
+        signature["drafter"] = {"hidden_size": d.hidden_size, "num_hidden_layers": d.num_hidden_layers,
+                                "block_size": d.block_size}
+    return signature
+
+
+@dataclass
+class RoundCosts:
+    """seconds[bucket][size]: the median wall time of one engine step with `bucket` requests all
+    running rounds of `size` tree nodes (0: a plain decode step). signature: pair_signature of
+    the engine it was measured on; details: how it was measured (prefix length, repeats, date)."""
+
+    signature: dict
+    seconds: dict[int, dict[int, float]] = field(default_factory=dict)
+    details: dict = field(default_factory=dict)
+
+    def buckets(self) -> list[int]:
+        return sorted(self.seconds)
+
+    def has(self, bucket: int, sizes) -> bool:
+        """Whether every size in `sizes` was measured at `bucket`."""
+        row = self.seconds.get(bucket, {})
+        return all(s in row for s in sizes)
+
+    def cost(self, bucket: int, size: int) -> float:
+        """Seconds of a step at (bucket, size): measured, or linear between the two nearest measured
+        sizes of that bucket. A size outside the measured range is refused, never extrapolated."""
+        row = self.seconds.get(bucket)
+        if not row:
+            raise KeyError(f"no costs measured at batch bucket {bucket} (measured: {self.buckets()})")
+        if size in row:
+            return row[size]
+        below = [s for s in row if s < size]
+        above = [s for s in row if s > size]
+        if not below or not above:
+            raise KeyError(f"tree size {size} is outside the sizes measured at bucket {bucket}: {sorted(row)}")
+        lo, hi = max(below), min(above)
+        return row[lo] + (row[hi] - row[lo]) * (size - lo) / (hi - lo)
+
+    def merge(self, other: "RoundCosts") -> None:
+        """Take `other`'s measurements (same signature), replacing ours where both have one."""
+        check_signature(other.signature, self.signature, "merged table")
+        for bucket, row in other.seconds.items():
+            self.seconds.setdefault(bucket, {}).update(row)
+        self.details.update(other.details)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "signature": self.signature, "details": self.details,
+                "seconds": {str(b): {str(s): t for s, t in sorted(row.items())} for b, row in sorted(self.seconds.items())}}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "the table") -> "RoundCosts":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{source} is not a ddtree round-cost table (format {FORMAT!r}; `ddtree profile` writes one)")
+        try:
+            seconds = {int(b): {int(s): float(t) for s, t in row.items()} for b, row in data["seconds"].items()}
+        except (KeyError, AttributeError, TypeError, ValueError) as err:
+            raise ValueError(f"{source}: malformed 'seconds' ({err})") from None
+        for bucket, row in seconds.items():
+            bad = {s: t for s, t in row.items() if s < 0 or not t > 0}
+            if bucket < 1 or bad:
+                raise ValueError(f"{source}: bucket {bucket} has invalid entries {bad or row}")
+        return cls(dict(data.get("signature", {})), seconds, dict(data.get("details", {})))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, signature: dict | None = None) -> "RoundCosts":
+        """Read a table written by save(); with `signature`, refuse one measured for another
+        model pair, dtype or device."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        table = cls.from_json(data, str(path))
+        if signature is not None:
+            check_signature(table.signature, signature, str(path))
+        return table
+
+
+def check_signature(got: dict, want: dict, source: str) -> None:
+    """Refuse a table measured for something other than `want`, naming the first difference."""
+    for key in sorted(set(got) | set(want)):
+        if got.get(key) != want.get(key):
+            raise ValueError(f"{source} was measured for {key} = {got.get(key)!r}, but this engine has "
+                             f"{want.get(key)!r}: measure it again (`ddtree profile`)")

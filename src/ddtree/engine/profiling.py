@@ -1,0 +1,107 @@
+"""Measuring what a step costs: the engine runs itself on stand-in requests, shape by shape.
+
+For every batch bucket, `bucket` requests of random prompt tokens fill slots 0 .. bucket - 1 and
+the engine steps them with the tree size forced, one size after another (0: plain decode steps);
+each (bucket, size) gets the median wall time of its steps after a warm-up that compiles the
+kernels and captures the round's CUDA graph. A step's wall time in steady state is what a user
+waits for per round: the device's round, or the host's work when that is longer (overlap on),
+graph launches included. The stand-ins teach the acceptance forecast nothing, and they leave:
+their slots, pages and statistics are gone when the measurement returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from .costs import RoundCosts
+from .sampling import SamplingParams
+
+log = logging.getLogger("ddtree.engine")
+
+
+def buckets_up_to(count: int, max_batch: int) -> list[int]:
+    """The batch buckets a round over at most `count` requests can take: 1, 2, 4 ... (scheduling)."""
+    from .scheduling import bucket_for
+
+    top, buckets, b = bucket_for(max(1, count), max_batch), [], 1
+    while b < top:
+        buckets.append(b)
+        b *= 2
+    return buckets + [top]
+
+
+def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None, warmup: int = 3,
+                        repeats: int = 8, progress: bool | None = None) -> RoundCosts:
+    """Seconds per step at each bucket in `buckets` and each size of engine.sizer.sizes.
+
+    prefix: prompt tokens of each stand-in (default min(256, max_model_len // 4)); warmup / repeats:
+    steps per shape before and in the median; progress: a bar on stderr (None: when it is a terminal).
+    Needs an idle engine: nothing queued, running or in flight (Engine.measure_round_costs holds
+    its queue back meanwhile)."""
+    if engine.sizer is None:
+        raise ValueError("round costs are for tree sizes: this engine has no drafter")
+    if engine.has_unfinished() or engine.inflight:
+        raise RuntimeError("round costs are measured on an idle engine: finish or abort its requests first")
+    if warmup < 3 or repeats < 1:
+        raise ValueError(f"need warmup >= 3 (compile, capture, first replay) and repeats >= 1, got {warmup}, {repeats}")
+    prefix = prefix or max(1, min(256, engine.max_model_len // 4))
+    steps = warmup + repeats
+    new_tokens = (steps + 2) * (engine.max_depth + 1) + 1  # more than the steps can commit
+    if prefix + new_tokens > engine.max_model_len:
+        raise ValueError(f"max_model_len={engine.max_model_len} is too short to measure round costs "
+                         f"(prompt {prefix} + {new_tokens} tokens)")
+    sizes = engine.sizer.sizes
+    table = RoundCosts(engine.signature, details={"prefix": prefix, "warmup": warmup, "repeats": repeats,
+                                                   "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                   "torch": torch.__version__})
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    vocab = engine.target.cfg.vocab_size
+    start = time.perf_counter()
+    bar = _bar(len(buckets) * len(sizes), progress)
+    for bucket in buckets:
+        row = table.seconds.setdefault(bucket, {})
+        for size in sizes:
+            prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
+            row[size] = _time_steps(engine, prompts, params, size, warmup, repeats)
+            bar.update(1)
+    bar.close()
+    log.info("measured round costs for batch buckets %s x tree sizes %s in %.1f s", buckets, list(sizes),
+             time.perf_counter() - start)
+    return table
+
+
+def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: int, warmup: int,
+                repeats: int) -> float:
+    ids = [engine.add_request(p, params, mode="ddtree", budget="auto", request_id=f"ddtree-profile-{i}")
+           for i, p in enumerate(prompts)]
+    sizer = engine.sizer
+    sizer.forced = size
+    try:
+        engine.step()  # admit and prefill them all, launch the first round
+        if engine.num_running != len(prompts):
+            raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests fit in the KV cache "
+                               f"(num_pages={engine.blocks.num_pages}) to measure a batch of {len(prompts)}")
+        times = []
+        last = time.perf_counter()
+        for _ in range(warmup + repeats):
+            engine.step()
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+        return statistics.median(times[warmup:])
+    finally:
+        sizer.forced = None
+        for request_id in ids:
+            engine.abort(request_id)
+        engine.drain()
+
+
+def _bar(total: int, enabled: bool | None):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="measuring round costs", unit="shape", disable=None if enabled is None else not enabled)

@@ -1,0 +1,139 @@
+"""The tree's size, chosen each round by measured cost (budget="auto").
+
+Each round the host picks one size for the batch (every "auto" request verifies that many nodes;
+0 is a plain decode step): the size whose round commits the most expected tokens per second of
+the whole batch, from the measured cost of a step at this batch bucket (engine/costs.py) and each
+request's expected tokens at each size (engine/forecast.py). A verify's padding rows cost what
+real rows cost (they are routed like any other row), so a request in a round of size n takes all
+n nodes. The choice is host arithmetic on values already read back: no new synchronization.
+
+A request kept on plain steps learns nothing new about its drafter, so now and then it probes:
+once the plain steps it took since its last tree cost `wait` times what one probe round (the
+smallest tree) costs over a plain step, the round runs the smallest tree. Each probe doubles the
+request's wait (up to `max_wait`), and a tree chosen on its merits resets it, so a drafter that
+keeps failing costs at most about 1 / max_wait over plain decoding, and one that recovers is
+found within a few steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .costs import RoundCosts, check_signature
+from .forecast import AcceptanceForecast
+
+DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def best_size(sizes: list[int], seconds: list[float], tokens: list[float]) -> int:
+    """The size of the greatest tokens / seconds (ties to the smaller size). sizes ascending;
+    seconds > 0 and tokens the batch's expected tokens, one of each per size."""
+    if not sizes or not len(sizes) == len(seconds) == len(tokens):
+        raise ValueError(f"need one cost and one token count per size, got {len(sizes)} sizes, "
+                         f"{len(seconds)} costs, {len(tokens)} token counts")
+    rate = np.asarray(tokens, dtype=np.float64) / np.asarray(seconds, dtype=np.float64)
+    return sizes[int(np.argmax(rate))]  # argmax takes the first maximum: the smaller size
+
+
+def tree_sizer(tree_sizes: tuple[int, ...], max_budget: int, max_depth: int, round_costs, signature: dict) -> "TreeSizer":
+    """Engine's TreeSizer: the sizes within max_budget, and round_costs as given (a RoundCosts, a
+    JSON path, checked against the engine's pair_signature, or None)."""
+    sizes = tuple(s for s in tree_sizes if s <= max_budget)
+    if not sizes:
+        raise ValueError(f"no tree size in {tuple(tree_sizes)} is within max_budget={max_budget}")
+    if isinstance(round_costs, (str, Path)):
+        round_costs = RoundCosts.load(round_costs, signature)
+    elif round_costs is not None:
+        check_signature(round_costs.signature, signature, "round_costs")
+    return TreeSizer(sizes, max_depth, round_costs)
+
+
+class TreeSizer:
+    """Chooses the size of each round that holds "auto" requests; learns from what rounds commit."""
+
+    def __init__(self, tree_sizes: tuple[int, ...], max_depth: int, costs: RoundCosts | None = None,
+                 first_wait: float = 4.0, max_wait: float = 64.0):
+        """tree_sizes: the positive sizes a round may take, ascending (the largest is also how
+        many nodes a round reports path probabilities for); costs: the measured table (None until
+        measured: rounds then take the smallest tree)."""
+        if not tree_sizes or list(tree_sizes) != sorted(set(tree_sizes)) or tree_sizes[0] < 1:
+            raise ValueError(f"tree_sizes must be distinct positive ints in ascending order, got {tree_sizes!r}")
+        self.tree_sizes = tuple(tree_sizes)
+        self.costs, self.first_wait, self.max_wait = costs, first_wait, max_wait
+        self.forecast = AcceptanceForecast(self.info_nodes, max_depth)
+        self.forced: int | None = None  # a fixed size for every round (cost measurement)
+
+    @property
+    def info_nodes(self) -> int:
+        return self.tree_sizes[-1]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Every size a round of "auto" requests may take, plain steps (0) included."""
+        return (0,) + self.tree_sizes
+
+    def unmeasured(self, buckets: list[int]) -> list[int]:
+        """The buckets of `buckets` the cost table lacks a size of."""
+        return [b for b in buckets if self.costs is None or not self.costs.has(b, self.sizes)]
+
+    def add_costs(self, table: RoundCosts) -> None:
+        if self.costs is None:
+            self.costs = table
+        else:
+            self.costs.merge(table)
+
+    def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int) -> int:
+        """The round's size for `auto` requests (engine Requests with a .forecast) in a batch whose
+        other requests need at least `floor` nodes and are expected to commit `fixed_tokens`."""
+        candidates = sorted({s for s in self.sizes if s >= floor} | {floor})
+        if self.forced is not None:
+            return max(self.forced, floor)
+        seconds = self._row(bucket, candidates)
+        smallest_tree = next(s for s in candidates if s > 0)
+        expected = [self.forecast.expected_tokens(r.forecast, candidates, r.remaining_tokens()) for r in auto]
+        if seconds is None or any(e is None for e in expected):
+            size = smallest_tree  # nothing measured or nothing known: the cheapest tree that teaches
+        else:
+            tokens = fixed_tokens + np.sum(expected, axis=0)
+            size = best_size(candidates, seconds, tokens.tolist())
+            if size == 0:
+                size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
+            elif floor == 0:
+                for r in auto:
+                    r.forecast.wait = self.first_wait  # a tree on its merits
+        if size > 0:
+            for r in auto:
+                r.forecast.decode_seconds = 0.0  # a tree is coming back: no probe until it is read
+        return size
+
+    def learn(self, request, row: list[int], plan, moe_layers: int) -> None:
+        """Read an "auto" request's row of a round's result (round.result_width) into its forecast."""
+        if not plan.info_nodes or row[0] < 1:  # a plain step, or the request sat this round out
+            return
+        start = 2 + self.forecast.max_depth + (moe_layers if plan.experts else 0)
+        path = row[start : start + plan.info_nodes]
+        accepted = row[start + plan.info_nodes : start + plan.info_nodes + self.forecast.max_depth + 1]
+        verified = min(plan.budget, request.node_limit)
+        self.forecast.observe(request.forecast, path, verified, accepted[1 : row[0]])
+
+    def _probe_or_decode(self, auto: list, decode: float, probe: float, probe_size: int) -> int:
+        for r in auto:
+            r.forecast.decode_seconds += decode
+        due = [r for r in auto if r.forecast.decode_seconds >= (r.forecast.wait or self.first_wait) * (probe - decode)]
+        for r in due:
+            r.forecast.wait = min(2 * (r.forecast.wait or self.first_wait), self.max_wait)
+        return probe_size if due else 0
+
+    def _row(self, bucket: int, sizes: list[int]) -> list[float] | None:
+        """Costs of `sizes` at `bucket`, from the nearest measured bucket (the next larger first)
+        when this one was not measured; None without a table."""
+        if self.costs is None or not self.costs.seconds:
+            return None
+        measured = self.costs.buckets()
+        use = bucket if bucket in measured else min((b for b in measured if b > bucket), default=max(measured))
+        try:
+            return [self.costs.cost(use, s) for s in sizes]
+        except KeyError:
+            return None

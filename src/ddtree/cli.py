@@ -1,4 +1,5 @@
-"""`ddtree generate`: stream completions from a target + drafter pair, then their statistics."""
+"""`ddtree generate`: stream completions from a target + drafter pair, then their statistics;
+`ddtree profile`: measure the pair's round costs into a JSON table (`--round-costs`)."""
 
 from __future__ import annotations
 
@@ -27,16 +28,49 @@ def _positive(kind):
     return parse
 
 
+def budget(text: str):
+    """A --budget value: "auto" or a positive int."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f'must be "auto" or an int > 0, got {text}')
+    return value
+
+
+def add_pair_arguments(p: argparse.ArgumentParser) -> None:
+    """--target / --drafter and how to load them: shared by generate, serve and profile."""
+    p.add_argument("--target", help="target model directory (config.json + safetensors); "
+                   "default: the demo pair shipped in the package (a small Python coder and its drafter)")
+    p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    p.add_argument("--max-batch", type=_positive(int), default=32, help="requests in the running batch")
+    p.add_argument("--max-model-len", type=_positive(int), default=None, help="prompt + completion tokens per request")
+    p.add_argument("--num-pages", type=_positive(int), default=None, help="KV cache pages (default: sized from memory)")
+    p.add_argument("--page-size", type=_positive(int), default=64)
+    p.add_argument("--max-budget", type=_positive(int), default=256,
+                   help="the largest tree budget a request may ask (and the largest size auto may take)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
+                        "--no-cuda-graphs to debug)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ddtree", description="DDTree speculative decoding for MLA mixture-of-experts models.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
     gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer)")
-    gen.add_argument("--target", help="target model directory (config.json + safetensors); "
-                     "default: the demo pair shipped in the package (a small Python coder and its drafter)")
-    gen.add_argument("--drafter", help="DFlash drafter directory (needed for --mode chain / ddtree with --target)")
+    add_pair_arguments(gen)
     gen.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree")
-    gen.add_argument("--budget", type=_positive(int), default=64, help="tree nodes per round (ddtree)")
+    gen.add_argument("--budget", type=budget, default="auto",
+                     help="tree nodes per round (ddtree), or auto: chosen each round by measured cost")
+    gen.add_argument("--round-costs", default=None, help="a round-cost table from `ddtree profile` "
+                     "(default: measured before the first round)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -44,19 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive(int), default=128)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
-    gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    gen.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
-    gen.add_argument("--max-batch", type=_positive(int), default=32)
-    gen.add_argument("--max-model-len", type=_positive(int), default=None)
-    gen.add_argument("--num-pages", type=_positive(int), default=None)
-    gen.add_argument("--page-size", type=_positive(int), default=64)
-    gen.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
-    gen.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
-                          "--no-cuda-graphs to debug)")
+    from .profile_command import add_profile_command
     from .server.command import add_serve_command
 
     add_serve_command(commands)
+    add_profile_command(commands)
     parser.epilog = "Errors are one line on stderr; DDTREE_TRACEBACK=1 shows the traceback instead."
     return parser
 
@@ -65,7 +91,9 @@ def _stats_line(out) -> str:
     s = out.stats
     stages = ", ".join(f"{name} {s.stage_seconds[name] * 1e3:.1f}" for name in STAGE_ORDER
                        if name != "round" or s.stage_seconds[name])  # round: graph replays, when on
-    return (f"[{out.request_id}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.rounds} rounds, "
+    trees = sum(n > 0 for n in s.tree_sizes)
+    sizes = f", tree rounds {trees} (mean size {sum(s.tree_sizes) / max(1, trees):.1f})" if s.rounds else ""
+    return (f"[{out.request_id}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.rounds} rounds{sizes}, "
             f"mean acceptance length {s.mean_acceptance_length:.2f}, {s.tokens_per_s:.1f} tokens/s; "
             f"ms per stage: {stages}")
 
@@ -76,20 +104,16 @@ def _record(out) -> dict:
             "finish_reason": out.finish_reason, "seed": out.seed,
             "stats": {"rounds": s.rounds, "acceptance_lengths": s.acceptance_lengths,
                       "mean_acceptance_length": s.mean_acceptance_length, "tokens_per_s": s.tokens_per_s,
-                      "stage_seconds": s.stage_seconds, "experts_touched": s.experts_touched}}
+                      "stage_seconds": s.stage_seconds, "experts_touched": s.experts_touched,
+                      "tree_sizes": s.tree_sizes}}
 
 
 def generate(args) -> None:
-    import torch
-
-    from .engine import Engine, SamplingParams
+    from .engine import SamplingParams
 
     _log_engine_events()
 
-    engine = Engine.from_pretrained(
-        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
-        num_pages=args.num_pages, page_size=args.page_size, cuda_graphs=args.cuda_graphs)
+    engine = load_engine(args, round_costs=args.round_costs)
     if engine.tokenizer is None:
         raise ValueError(f"{args.target or 'the demo pair'} has no tokenizer: text prompts cannot be encoded")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -132,6 +156,19 @@ def generate(args) -> None:
     show()
 
 
+def load_engine(args, **engine_args):
+    """The Engine that add_pair_arguments' flags describe."""
+    import torch
+
+    from .engine import Engine
+
+    return Engine.from_pretrained(
+        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
+        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget, cuda_graphs=args.cuda_graphs,
+        **engine_args)
+
+
 def _log_engine_events() -> None:
     """The engine's own progress lines (CUDA-graph captures) to stderr, beside the statistics."""
     log = logging.getLogger("ddtree.engine")
@@ -148,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter is not None and args.target is None:  # generate and serve
         sys.stderr.write(f"ddtree {args.command}: error: --drafter needs --target DIR (without both: the demo pair)\n")
         return 2
-    if args.target is not None and args.mode != "ar" and args.drafter is None:
-        sys.stderr.write(f"ddtree {args.command}: error: --mode {args.mode} needs --drafter DIR (or use --mode ar)\n")
+    mode = getattr(args, "mode", "ddtree")  # profile has none: it needs the drafter
+    if args.target is not None and mode != "ar" and args.drafter is None:
+        need = "a drafter" if args.command == "profile" else f"--mode {mode}"
+        sys.stderr.write(f"ddtree {args.command}: error: {need} needs --drafter DIR (or use --mode ar)\n")
         return 2
     try:
         if args.command == "generate":
@@ -158,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             from .server.command import serve
 
             return serve(args)
+        elif args.command == "profile":
+            from .profile_command import profile
+
+            profile(args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError, NotImplementedError, RuntimeError, KeyError) as err:

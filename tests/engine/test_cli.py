@@ -45,7 +45,7 @@ def test_json_records_equal_across_modes(pair, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--target", "/nonexistent/dir", "--mode", "ar", "x"], "ddtree: error: no config.json in /nonexistent/dir"),
-    (["--target", "{target}", "--budget", "x", "p"], "argument --budget: invalid int value: 'x'"),
+    (["--target", "{target}", "--budget", "x", "p"], 'argument --budget: must be "auto" or an int > 0, got x'),
     (["--target", "{target}", "--max-new-tokens", "0", "p"], "argument --max-new-tokens: must be > 0"),
     (["--target", "{target}", "p"], "--mode ddtree needs --drafter DIR"),
     (["--target", "{target}", "--drafter", "{drafter}", "--device", "cpu", "--top-p", "2", "p"], "top_p must be in (0, 1]"),
@@ -82,3 +82,23 @@ def test_cuda_graphs_flag_defaults_to_the_engine_choice(flag, want):
     from ddtree.cli import build_parser
 
     assert build_parser().parse_args(["generate", "hi", *flag]).cuda_graphs is want
+
+
+def test_profile_writes_a_table_that_generate_reads(pair, tmp_path, capsys):
+    target, drafter = pair
+    path = tmp_path / "costs.json"
+    assert main(["profile", "--target", target, "--drafter", drafter, "--device", "cpu", "--max-batch", "2",
+                 "--max-budget", "8", "--repeats", "2", "--out", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "bucket | 0 | 1 | 2 | 4 | 8" and [line.split(" | ")[0] for line in out[1:]] == ["1", "2"]
+    table = json.loads(path.read_text())
+    assert sorted(table["seconds"]) == ["1", "2"] and table["details"]["repeats"] == 2
+    assert main(["generate", "--target", target, "--drafter", drafter, "--device", "cpu", "--max-budget", "8",
+                 "--max-batch", "2", "--round-costs", str(path), "--json", "--max-new-tokens", "8", "a", "b"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(len(r["stats"]["tree_sizes"]) == r["stats"]["rounds"] for r in records)
+    assert all(set(r["stats"]["tree_sizes"]) <= {0, 1, 2, 4, 8} for r in records)
+    rc = main(["generate", "--target", target, "--drafter", drafter, "--device", "cpu", "--round-costs", str(path),
+               "--dtype", "bfloat16", "x"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "was measured for dtype = 'float32', but this engine has 'bfloat16'" in err

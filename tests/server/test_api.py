@@ -162,3 +162,17 @@ def test_the_openai_client(idle_server, reference):
         client.completions.create(model="gpt-4", prompt="x")
     assert err.value.code == "model_not_found"
     assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_auto_budget_request_equals_ar_and_feeds_the_size_histogram(idle_server, reference):
+    before = metric(idle_server.url, "ddtree_tree_size_count")
+    body = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "ddtree": {"mode": "ddtree", "budget": "auto"}}
+    r = httpx.post(f"{idle_server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["text"] == served_alone(reference, "def fib(n):", 12, mode="ar").text
+    stats = out["usage"]["ddtree"]
+    assert stats["budget"] == "auto"
+    assert metric(idle_server.url, "ddtree_tree_size_count") == before + stats["rounds"]
+    bad = httpx.post(f"{idle_server.url}/v1/completions", json={**body, "ddtree": {"budget": "big"}}, timeout=10)
+    assert bad.status_code == 400 and "ddtree.budget" in bad.text

@@ -236,7 +236,7 @@ class Engine(OfflineGeneration):
         ones included: every active slot of the batch takes part). Returns, per request, what it
         committed since the last step: with overlap, the round launched by the previous step (read
         while this step's round runs), else this step's. Finished requests have left the batch."""
-        if self.sizer is not None and self.sizer.forced is None and not self._running and self._inflight is None \
+        if self.sizer is not None and self.sizer.forced is None and not self._running \
                 and any(r.auto for r in self._waiting):  # measure before the first "auto" round of these batches
             self.measure_round_costs(len(self._waiting))
         outputs = {out.request_id: out for out in self._admit()}

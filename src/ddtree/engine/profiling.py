@@ -40,12 +40,13 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
 
     prefix: prompt tokens of each stand-in (default min(256, max_model_len // 4)); warmup / repeats:
     steps per shape before and in the median; progress: a bar on stderr (None: when it is a terminal).
-    Needs an idle engine: nothing queued, running or in flight (Engine.measure_round_costs holds
-    its queue back meanwhile)."""
+    Needs an idle engine: nothing queued or running (Engine.measure_round_costs holds its queue
+    back meanwhile)."""
     if engine.sizer is None:
         raise ValueError("round costs are for tree sizes: this engine has no drafter")
-    if engine.has_unfinished() or engine.inflight:
+    if engine.has_unfinished():
         raise RuntimeError("round costs are measured on an idle engine: finish or abort its requests first")
+    engine.drain()  # a round launched after its requests' last tokens: nobody waits for it
     if warmup < 3 or repeats < 1:
         raise ValueError(f"need warmup >= 3 (compile, capture, first replay) and repeats >= 1, got {warmup}, {repeats}")
     prefix = prefix or max(1, min(256, engine.max_model_len // 4))

@@ -42,7 +42,7 @@ class ServerConfig:
 
     model_name: str = "ddtree"
     default_mode: str = "ddtree"
-    default_budget: int = 64
+    default_budget: int | str = "auto"
     max_queue: int = 256
     max_body_bytes: int = 2 << 20
     retry_after_s: int = 1
@@ -54,8 +54,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     if config.default_mode != "ar" and engine.drafter is None:
         raise ValueError(f"default mode {config.default_mode!r} needs a drafter; this engine has none (use ar)")
-    if not 1 <= config.default_budget <= engine.max_budget:
-        raise ValueError(f"default budget must be in [1, {engine.max_budget}], got {config.default_budget}")
+    budget = config.default_budget
+    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= engine.max_budget):
+        raise ValueError(f'default budget must be "auto" or an int in [1, {engine.max_budget}], got {budget!r}')
     metrics = Metrics()
     state = SimpleNamespace(
         config=config, metrics=metrics, scheduler=Scheduler(engine, metrics, max_queue=config.max_queue),
@@ -158,7 +159,7 @@ def _job(state, request_id: str, kind: str, body) -> Job:
         raise APIError(400, f"mode '{mode}' needs a drafter; this server has none (use 'ar')", param="ddtree.mode",
                        code="invalid_value")
     budget = options.budget if options.budget is not None else config.default_budget
-    if budget > state.max_budget:
+    if budget != "auto" and budget > state.max_budget:
         raise APIError(400, f"budget {budget} is over this server's max_budget={state.max_budget}",
                        param="ddtree.budget", code="invalid_value")
     sampling = {"temperature": 1.0 if body.temperature is None else body.temperature,  # OpenAI's defaults

@@ -10,9 +10,10 @@ import argparse
 import logging
 import platform
 import sys
+import time
 from pathlib import Path
 
-from ..cli import _positive
+from ..cli import _positive, add_pair_arguments, budget, load_engine
 
 _positive_int = _positive(int)
 
@@ -30,29 +31,20 @@ _port.__name__ = "int"  # argparse names the type in its error
 def add_serve_command(commands) -> argparse.ArgumentParser:
     """Add the `serve` subparser to ddtree's subcommands (argparse's _SubParsersAction)."""
     p = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching and streaming")
-    p.add_argument("--target", help="target model directory (config.json + safetensors); default: the demo pair")
-    p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
+    add_pair_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=_port, default=8000, help="0: any free port")
     p.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree",
                    help="default decoding mode (a request may pick its own with ddtree: {mode})")
-    p.add_argument("--budget", type=_positive_int, default=64, help="default tree budget (ddtree: {budget})")
-    p.add_argument("--max-budget", type=_positive_int, default=256, help="the largest budget a request may ask")
-    p.add_argument("--max-batch", type=_positive_int, default=32, help="requests in the running batch")
-    p.add_argument("--num-pages", type=_positive_int, default=None, help="KV cache pages (default: sized from memory)")
-    p.add_argument("--page-size", type=_positive_int, default=64)
-    p.add_argument("--max-model-len", type=_positive_int, default=None, help="prompt + completion tokens per request")
+    p.add_argument("--budget", type=budget, default="auto", help="default tree budget (ddtree: {budget}): "
+                   "auto (each round's size chosen by measured cost) or nodes per round")
+    p.add_argument("--round-costs", default=None, help="a round-cost table from `ddtree profile` (default: "
+                   "measured at start-up, before the server is ready)")
     p.add_argument("--max-queue", type=_positive_int, default=256,
                    help="requests waiting for a batch slot before new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=_positive_int, default=2 << 20, help="larger request bodies get 413")
     p.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: the target "
                    "directory's name, ddtree-demo for the demo pair)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
-                          "--no-cuda-graphs to debug)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return p
 
@@ -86,17 +78,16 @@ def serve(args) -> int:
         from ..demo import demo_pair
 
         demo_pair()  # FileNotFoundError with one clear line before anything heavy loads
-    import torch
     import uvicorn
 
-    from ..engine import Engine
     from .app import ServerConfig, create_app
 
-    engine = Engine.from_pretrained(
-        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
-        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget,
-        cuda_graphs=args.cuda_graphs)
+    engine = load_engine(args, round_costs=args.round_costs)
+    if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
+        start = time.perf_counter()
+        engine.measure_round_costs(progress=True)
+        print(f"ddtree serve: round costs for batches up to {engine.max_batch} ready in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     name = args.served_model_name or (Path(args.target).resolve().name if args.target else "ddtree-demo")
     config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,

@@ -26,7 +26,7 @@ class Job:
     max_tokens: int | None
     sampling: dict
     mode: str
-    budget: int
+    budget: int | str
     limit_param: str = "max_tokens"
 
     @property
@@ -41,7 +41,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     mode: str
-    budget: int | None
+    budget: int | str | None
     rounds: int = 0
     mean_acceptance_length: float = 0.0
     seed: int | None = None

@@ -9,6 +9,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+_TREE_SIZE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Metrics:
@@ -29,6 +30,9 @@ class Metrics:
         self.acceptance_length = Histogram("ddtree_acceptance_length", "Tokens committed per request per round "
                                            "(accepted draft tokens + the bonus; 1 in ar)", buckets=_ACCEPT_BUCKETS,
                                            registry=registry)
+        self.tree_size = Histogram("ddtree_tree_size", "Tree nodes verified per request per round (0: a plain "
+                                   "decode step; budget \"auto\" chooses it each round)", buckets=_TREE_SIZE_BUCKETS,
+                                   registry=registry)
         self.round_seconds = Histogram("ddtree_round_seconds", "Wall time of one engine step (admission, prefill "
                                        "and one round for the running batch)", buckets=_ROUND_BUCKETS,
                                        registry=registry)

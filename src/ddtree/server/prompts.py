@@ -5,6 +5,7 @@ tokenizer shared across threads can fail with "Already borrowed")."""
 from __future__ import annotations
 
 from ..engine.pages import pages_for
+from ..engine.request import node_limit_for
 from ..engine.sampling import SamplingParams
 from .errors import APIError
 from .jobs import Job
@@ -34,9 +35,10 @@ def encode(engine, job: Job) -> list[int]:
     return ids
 
 
-def node_limit(engine, mode: str, budget: int) -> int:
+def node_limit(engine, mode: str, budget: int | str) -> int:
     """Verify rows beyond the root a round may use (what admission reserves): see Engine.add_request."""
-    return {"ar": 0, "chain": engine.max_depth, "ddtree": budget}[mode]
+    auto_nodes = engine.sizer.info_nodes if engine.sizer is not None else None
+    return node_limit_for(mode, budget, engine.max_budget, engine.max_depth, auto_nodes)
 
 
 def sampling_params(engine, job: Job, prompt_len: int) -> SamplingParams:

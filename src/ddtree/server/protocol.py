@@ -4,12 +4,12 @@ Unknown fields are refused (extra="forbid") and types are strict ("5" is not an 
 bool), so a typo or a wrong type is a 400 naming the field instead of a silently ignored setting.
 OpenAI fields whose feature the engine lacks (logprobs, penalties, n > 1, tools...) are accepted in
 their neutral value and refused with a clear 400 otherwise (`unsupported`). Extensions, as in
-vLLM: `top_k`, `ignore_eos`, and `ddtree: {mode, budget}`.
+vLLM: `top_k`, `ignore_eos`, and `ddtree: {mode, budget}` (budget a number or "auto").
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -22,11 +22,12 @@ MAX_STOP_CHARS = 256
 
 
 class DDTreeOptions(BaseModel):
-    """Per-request decoding mode and tree budget (server defaults when absent)."""
+    """Per-request decoding mode and tree budget: nodes per round, or "auto" (the engine chooses
+    each round); server defaults when absent."""
 
     model_config = STRICT
     mode: Literal["ar", "chain", "ddtree"] | None = None
-    budget: int | None = Field(None, ge=1)
+    budget: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
 
 
 class StreamOptions(BaseModel):

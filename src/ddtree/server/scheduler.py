@@ -240,6 +240,8 @@ class Scheduler:
         usage.seed = result.seed if sampled else None
         for length in stats.acceptance_lengths:
             self.metrics.acceptance_length.observe(length)
+        for size in stats.tree_sizes:
+            self.metrics.tree_size.observe(size)
         self.metrics.request_seconds.observe(now - live.accepted_at)
         live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason))
 

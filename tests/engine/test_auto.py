@@ -1,0 +1,127 @@
+"""budget="auto" in the engine: the tokens are ar's (greedy, and seed for seed when sampling),
+alone and in batches that mix modes; the size follows cost and acceptance; the cost table is
+measured when missing and leaves no trace, and a table for another pair is refused."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ddtree import Engine  # noqa: E402
+from ddtree.engine.costs import RoundCosts  # noqa: E402
+from ddtree.engine.oracle import OracleDrafter  # noqa: E402
+from ddtree.models import load_drafter, load_target  # noqa: E402
+
+from .pairs import make_pair, prompts  # noqa: E402
+
+NEW = 24
+SIZES = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    target_dir, drafter_dir, _ = make_pair(tmp_path_factory.mktemp("pair"), vocab=12, block_size=5)
+    target = load_target(target_dir, dtype=torch.float32)
+    return target, drafter_dir
+
+
+def table(engine: Engine, tree_cost: float) -> RoundCosts:
+    """A cost table for `engine`: a plain step costs 1, a tree `tree_cost` + a little per node."""
+    row = {s: 1.0 if s == 0 else tree_cost + s / 1000 for s in SIZES}
+    return RoundCosts(engine.signature, {b: dict(row) for b in (1, 2, 4, 8)})
+
+
+def engine_with(models, *, tree_cost=None, drafter=None, **kwargs) -> Engine:
+    target, drafter_dir = models
+    engine = Engine(target, drafter or load_drafter(drafter_dir, target), page_size=8, max_batch=4, **kwargs)
+    if tree_cost is not None:
+        engine.sizer.costs = table(engine, tree_cost)
+    return engine
+
+
+SAMPLED = dict(temperature=[1.0, 0.7, 1.2, 0.9], top_p=[1.0, 0.9, 1.0, 0.8], top_k=[0, 0, 6, 4], seed=[11, 12, 13, 2**50])
+
+
+@pytest.mark.parametrize("tree_cost", [1.0, 3.0, 100.0])
+def test_auto_equals_ar_greedy_and_sampled(models, tree_cost):
+    engine = engine_with(models, tree_cost=tree_cost)
+    batch = prompts(4, 12, seed=1)
+    for settings in ({}, SAMPLED):
+        ar = [o.token_ids for o in engine.generate(batch, max_new_tokens=NEW, mode="ar", **settings)]
+        outs = engine.generate(batch, max_new_tokens=NEW, **settings)  # mode ddtree, budget "auto"
+        assert [o.token_ids for o in outs] == ar
+        for o in outs:
+            assert len(o.stats.tree_sizes) == o.stats.rounds == len(o.stats.acceptance_lengths)
+            assert set(o.stats.tree_sizes) <= set(SIZES)
+    alone = engine.generate(batch[:1], max_new_tokens=NEW, **{k: v[:1] for k, v in SAMPLED.items()})
+    assert alone[0].token_ids == engine.generate(batch[:1], max_new_tokens=NEW, mode="ar",
+                                                 **{k: v[:1] for k, v in SAMPLED.items()})[0].token_ids
+
+
+def test_auto_in_a_batch_of_every_mode(models):
+    engine = engine_with(models, tree_cost=2.0)
+    batch = prompts(6, 12, seed=3)
+    want = [o.token_ids for o in engine.generate(batch, max_new_tokens=NEW, mode="ar")]
+    modes = ["ddtree", "ar", "chain", "ddtree", "ddtree", "ar"]
+    budgets = ["auto", 1, 1, 3, "auto", 1]
+    outs = engine.generate(batch, max_new_tokens=NEW, mode=modes, budget=budgets)  # 6 prompts, 4 slots
+    assert [o.token_ids for o in outs] == want
+    assert all(s == 0 for s in outs[1].stats.tree_sizes) and all(s <= 3 for s in outs[3].stats.tree_sizes)
+    assert all(s == 4 for s in outs[2].stats.tree_sizes)  # chain: D nodes
+
+
+def _oracle_engine(models, depth, tree_cost):
+    """The drafter proposes ar's greedy continuation for `depth` positions: acceptance depth + 1."""
+    target, drafter_dir = models
+    batch = prompts(2, 12, seed=5)
+    ar = engine_with(models).generate(batch, max_new_tokens=60, mode="ar")
+    oracle = OracleDrafter(load_drafter(drafter_dir, target), max_batch=4, max_len=128, depth=depth)
+    for slot, (p, o) in enumerate(zip(batch, ar)):
+        oracle.set_sequence(slot, p + o.token_ids)
+    return engine_with(models, drafter=oracle, tree_cost=tree_cost), batch, [o.token_ids for o in ar]
+
+
+@pytest.mark.parametrize("depth,tree_cost,trees_win", [(4, 2.0, True), (0, 2.0, False)])
+def test_the_size_follows_cost_and_acceptance(models, depth, tree_cost, trees_win):
+    """A drafter right for 4 positions: trees; right for none (acceptance 1): plain steps but for
+    probes. Both give ar's tokens."""
+    engine, batch, want = _oracle_engine(models, depth, tree_cost)
+    outs = engine.generate(batch, max_new_tokens=60)
+    assert [o.token_ids for o in outs] == want
+    sizes = [s for o in outs for s in o.stats.tree_sizes[4:]]  # after the first reads
+    tree_share = sum(s > 0 for s in sizes) / len(sizes)
+    if trees_win:  # 5 tokens a round for 2x the cost of one
+        assert tree_share == 1.0 and min(sum(o.stats.acceptance_lengths) / o.stats.rounds for o in outs) > 3
+    else:  # the oracle proposes nothing right (depth 0): only probes are trees
+        assert tree_share < 0.3
+
+
+def test_costs_are_measured_when_missing_and_leave_no_trace(models):
+    engine = engine_with(models)
+    assert engine.sizer.costs is None
+    batch = prompts(3, 12, seed=7)
+    outs = engine.generate(batch, max_new_tokens=8)
+    costs = engine.sizer.costs
+    assert costs.buckets() == [1, 2, 4] and all(costs.has(b, SIZES) for b in (1, 2, 4))
+    assert all(t > 0 for row in costs.seconds.values() for t in row.values())
+    assert costs.signature == engine.signature and costs.details["repeats"] == 8
+    assert [len(o.token_ids) for o in outs] == [8, 8, 8]
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_free == engine.blocks.num_pages and engine.blocks.num_promised == 0  # the stand-ins' pages are back
+    want = engine.generate(batch, max_new_tokens=8, mode="ar")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+
+
+def test_a_table_from_a_file_and_one_for_another_pair(models, tmp_path):
+    engine = engine_with(models, tree_cost=2.0)
+    path = tmp_path / "costs.json"
+    engine.sizer.costs.save(path)
+    target, drafter_dir = models
+    loaded = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=4, round_costs=path)
+    assert loaded.sizer.costs.seconds == engine.sizer.costs.seconds
+    other = RoundCosts({**engine.signature, "device": "NVIDIA H200"}, {1: {0: 1.0}})
+    other.save(path)
+    with pytest.raises(ValueError, match="was measured for device = 'NVIDIA H200', but this engine has 'cpu'"):
+        Engine(target, load_drafter(drafter_dir, target), page_size=8, round_costs=path)
+    with pytest.raises(ValueError, match="no tree size in"):
+        Engine(target, load_drafter(drafter_dir, target), page_size=8, max_budget=4, tree_sizes=(8, 16))

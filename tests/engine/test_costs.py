@@ -1,0 +1,60 @@
+"""RoundCosts: measured values, interpolation only between measured sizes, JSON with the pair's
+signature, and clear refusals of a table that does not fit."""
+
+import json
+
+import pytest
+
+from ddtree.engine.costs import FORMAT, RoundCosts
+
+SIGNATURE = {"device": "cpu", "dtype": "float32", "cuda_graphs": False, "target": {"hidden_size": 64}}
+
+
+def table() -> RoundCosts:
+    return RoundCosts(dict(SIGNATURE), {1: {0: 0.001, 4: 0.003, 16: 0.007}, 2: {0: 0.002, 16: 0.01}}, {"prefix": 8})
+
+
+def test_measured_and_interpolated_costs():
+    costs = table()
+    assert costs.cost(1, 4) == 0.003
+    assert costs.cost(1, 10) == pytest.approx(0.003 + 0.004 * 6 / 12)
+    assert costs.cost(1, 2) == pytest.approx(0.002)
+    assert costs.has(1, (0, 4, 16)) and not costs.has(2, (0, 4))
+    with pytest.raises(KeyError, match="outside the sizes measured at bucket 1"):
+        costs.cost(1, 17)
+    with pytest.raises(KeyError, match=r"no costs measured at batch bucket 4 \(measured: \[1, 2\]\)"):
+        costs.cost(4, 0)
+
+
+def test_json_round_trip_and_signature_checks(tmp_path):
+    path = tmp_path / "costs.json"
+    table().save(path)
+    assert json.loads(path.read_text())["format"] == FORMAT
+    back = RoundCosts.load(path, SIGNATURE)
+    assert back.seconds == table().seconds and back.details == {"prefix": 8}
+    with pytest.raises(ValueError, match=r"measured for dtype = 'float32', but this engine has 'bfloat16'"):
+        RoundCosts.load(path, {**SIGNATURE, "dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="measured for target"):
+        RoundCosts.load(path, {**SIGNATURE, "target": {"hidden_size": 128}})
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{", "is not valid JSON"),
+    ('{"format": "other"}', "is not a ddtree round-cost table"),
+    (json.dumps({"format": FORMAT, "seconds": {"1": {"0": -1.0}}}), "bucket 1 has invalid entries"),
+    (json.dumps({"format": FORMAT, "seconds": {"1": "fast"}}), "malformed 'seconds'"),
+    (json.dumps({"format": FORMAT, "seconds": {"0": {"0": 1.0}}}), "bucket 0 has invalid entries"),
+])
+def test_bad_files_are_refused(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        RoundCosts.load(path)
+
+
+def test_merge_takes_the_other_tables_values():
+    costs = table()
+    costs.merge(RoundCosts(dict(SIGNATURE), {2: {4: 0.005}, 8: {0: 0.004}}))
+    assert costs.seconds[2] == {0: 0.002, 16: 0.01, 4: 0.005} and costs.buckets() == [1, 2, 8]
+    with pytest.raises(ValueError, match="merged table was measured for device"):
+        costs.merge(RoundCosts({**SIGNATURE, "device": "NVIDIA H200"}, {}))

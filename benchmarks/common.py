@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
@@ -30,8 +32,25 @@ def environment() -> dict:
         "numpy": numpy.__version__,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
     }
+
+
+def commit() -> str:
+    """The code's commit: $DDTREE_COMMIT (set where the checkout has no .git, as on the device
+    machine), else git's HEAD with "+changes" when the tree differs from it, else "unknown"."""
+    if os.environ.get("DDTREE_COMMIT"):
+        return os.environ["DDTREE_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
 
 
 def time_graph_us(fn: Callable[[], object], *, launches_per_graph: int = 20, trials: int = 30, warmup: int = 3) -> float:

@@ -125,3 +125,31 @@ def test_a_table_from_a_file_and_one_for_another_pair(models, tmp_path):
         Engine(target, load_drafter(drafter_dir, target), page_size=8, round_costs=path)
     with pytest.raises(ValueError, match="no tree size in"):
         Engine(target, load_drafter(drafter_dir, target), page_size=8, max_budget=4, tree_sizes=(8, 16))
+
+
+def test_plain_steps_keep_the_drafter_context_of_every_token(models):
+    """Rows plain steps set aside reach the drafter's context before the next draft: whatever mix
+    of plain steps and trees committed them, the context equals a tree-only run's, position for
+    position (so no draft sees a stale or shifted context)."""
+    prompt = prompts(1, 12, seed=9)[0]
+    mixed, trees = engine_with(models, tree_cost=2.0, overlap=False), engine_with(models, overlap=False)
+    from ddtree import SamplingParams
+
+    params = SamplingParams(max_new_tokens=40)
+    mixed.add_request(prompt, params)
+    trees.add_request(prompt, params, budget=4)
+    pattern = [0, 0, 0, 2, 0, 4] + [0] * 20 + [1, 0, 0, 8]  # 20 plain steps in a row: a flush on the way
+    for size in pattern:
+        mixed.sizer.forced = size
+        mixed.step()
+        state = mixed.state
+        assert int(state.drafter.lengths[0] + state.pending_rows[0]) == int(state.prefix_lens[0])
+        if size > 0:
+            assert int(state.pending_rows[0]) == 0
+    while int(trees.state.prefix_lens[0]) < int(mixed.state.prefix_lens[0]):
+        trees.step()
+    n = int(mixed.state.drafter.lengths[0])
+    assert n == int(mixed.state.prefix_lens[0]) and n >= len(prompt) + len(pattern)
+    for got, want in zip(mixed.state.drafter.keys + mixed.state.drafter.values,
+                         trees.state.drafter.keys + trees.state.drafter.values):
+        torch.testing.assert_close(got[0, :n], want[0, :n], rtol=1e-4, atol=1e-5)

@@ -29,6 +29,12 @@ def fixed(logps):
     return out + [NO_NODE] * (SIZES[-1] - len(out))
 
 
+def observe(forecast: AcceptanceForecast, request: RequestForecast, logps, verified: int, accepted: list[int]):
+    """One request's tree round read back: the path of `accepted` nodes (1-based) was committed."""
+    path = [0] + accepted + [-1] * (DEPTH - len(accepted))
+    forecast.observe([request], np.array([fixed(logps)]), verified, np.array([path]), np.array([1 + len(accepted)]))
+
+
 def confident_chain(p=0.9, nodes=16):
     """Path log-probs of a drafter sure of one continuation: p, p^2, ... then small siblings."""
     return sorted([math.log(p) * (i + 1) for i in range(DEPTH)] + [math.log(0.01)] * (nodes - DEPTH), reverse=True)
@@ -53,7 +59,8 @@ def test_best_size_maximizes_tokens_per_second_and_breaks_ties_small():
 
 def test_calibration_learns_acceptance_rates_by_path_probability():
     cal = Calibration(prior_weight=4.0, decay=1.0)
-    assert cal.bins(np.array([0.0, math.log(0.6), math.log(0.4), math.log(1e-9), -math.inf])).tolist() == [0, 0, 1, 15, 15]
+    logps = [0.0, math.log(0.6), math.log(0.4), math.log(0.2499), math.log(1e-9)]
+    assert cal.bins(np.array(fixed(logps)[:5] + [NO_NODE])).tolist() == [0, 0, 1, 2, 15, 15]
     assert cal.rates()[0] == pytest.approx(2 ** -0.5)  # prior: the drafter is right
     for i in range(400):
         cal.observe(np.array([0, 1]), np.array([i % 2 == 0, False]))
@@ -64,16 +71,16 @@ def test_calibration_learns_acceptance_rates_by_path_probability():
 def test_forecast_curve_scale_and_caps():
     fc = AcceptanceForecast(SIZES[-1], DEPTH, smoothing=0.0)
     request = RequestForecast()
-    assert fc.expected_tokens(request, [0, 4], remaining=100) is None  # nothing read yet
-    fc.observe(request, fixed(confident_chain()), verified=4, accepted=[1, 2, 3, 4])
-    tokens = fc.expected_tokens(request, [0, 1, 4, 16], remaining=100)
+    assert fc.expected_tokens([request], [0, 4], [100]) is None  # nothing read yet
+    observe(fc, request, confident_chain(), verified=4, accepted=[1, 2, 3, 4])
+    tokens = fc.expected_tokens([request], [0, 1, 4, 16], [100])[0]
     assert tokens[0] == 1.0 and np.all(np.diff(tokens) >= 0) and tokens[-1] <= 1 + DEPTH
-    assert fc.expected_tokens(request, [16], remaining=3)[0] == 3.0  # no more than the request may take
+    assert fc.expected_tokens([request], [16], [3])[0, 0] == 3.0  # no more than the request may take
     other = RequestForecast()
-    assert fc.expected_tokens(other, [4], 100)[0] == pytest.approx(1 + request.curve[4])  # the pooled prior
+    assert fc.expected_tokens([other], [4], [100])[0, 0] == pytest.approx(1 + request.curve[4])  # the pooled prior
     for _ in range(10):  # this request's drafter keeps failing: its own scale falls
-        fc.observe(other, fixed(confident_chain()), verified=8, accepted=[])
-    assert fc.expected_tokens(other, [8], 100)[0] < 1.5 < fc.expected_tokens(request, [8], 100)[0]
+        observe(fc, other, confident_chain(), verified=8, accepted=[])
+    assert fc.expected_tokens([other], [8], [100])[0, 0] < 1.5 < fc.expected_tokens([request], [8], [100])[0, 0]
 
 
 def test_sizer_picks_plain_steps_for_a_useless_drafter_and_large_trees_when_verify_is_free():
@@ -82,11 +89,11 @@ def test_sizer_picks_plain_steps_for_a_useless_drafter_and_large_trees_when_veri
     useless, good = TreeSizer(SIZES, DEPTH, costs(steep)), TreeSizer(SIZES, DEPTH, costs(flat))
     r_useless, r_good = FakeRequest(), FakeRequest()
     for _ in range(6):
-        useless.forecast.observe(r_useless.forecast, fixed(confident_chain(0.5)), verified=4, accepted=[])
-        good.forecast.observe(r_good.forecast, fixed(bushy()), verified=16, accepted=list(range(1, 8)))
+        observe(useless.forecast, r_useless.forecast, confident_chain(0.5), verified=4, accepted=[])
+        observe(good.forecast, r_good.forecast, bushy(), verified=16, accepted=list(range(1, 8)))
     assert useless.choose(1, [r_useless], 0.0, 0) == 0
     assert good.choose(1, [r_good], 0.0, 0) == 16
-    tokens = good.forecast.expected_tokens(r_good.forecast, [0, 8, 16], 1000)
+    tokens = good.forecast.expected_tokens([r_good.forecast], [0, 8, 16], [1000])[0]
     assert tokens[2] > tokens[1] > 5  # it accepted all 7 depths every round
     good.costs = costs(steep)  # 16 nodes cost 4.0, 8 cost 2.8: the second 8 nodes add less than they cost
     assert tokens[2] / 4.0 < tokens[1] / 2.8 and good.choose(1, [r_good], 0.0, 0) == 8
@@ -99,8 +106,8 @@ def test_a_batch_is_sized_for_the_sum_of_its_requests():
     sizer = TreeSizer(SIZES, DEPTH, table)
     hopeless, keen = FakeRequest(), FakeRequest()
     for _ in range(6):
-        sizer.forecast.observe(hopeless.forecast, fixed(confident_chain(0.5)), verified=8, accepted=[])
-        sizer.forecast.observe(keen.forecast, fixed(confident_chain(0.95)), verified=16, accepted=list(range(1, 8)))
+        observe(sizer.forecast, hopeless.forecast, confident_chain(0.5), verified=8, accepted=[])
+        observe(sizer.forecast, keen.forecast, confident_chain(0.95), verified=16, accepted=list(range(1, 8)))
     alone = sizer.choose(1, [hopeless], 0.0, 0)
     together = sizer.choose(1, [hopeless, keen], 0.0, 0)
     assert alone == 0 and together > 0
@@ -113,7 +120,7 @@ def test_sizer_without_costs_or_knowledge_takes_the_smallest_tree_and_respects_t
     assert TreeSizer(SIZES, DEPTH, None).choose(1, [request], 0.0, 0) == 1
     sizer = TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0}))
     assert sizer.choose(1, [request], 0.0, 0) == 1  # no tree read anywhere yet
-    sizer.forecast.observe(request.forecast, fixed(confident_chain(0.5)), verified=4, accepted=[])
+    observe(sizer.forecast, request.forecast, confident_chain(0.5), verified=4, accepted=[])
     assert sizer.choose(1, [request], 0.0, 5) >= 5  # another request needs 5 nodes
     sizer.forced = 8
     assert sizer.choose(1, [request], 0.0, 0) == 8
@@ -126,7 +133,7 @@ def test_probes_come_back_with_doubling_waits():
     sizer = TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.1, 4: 2.3, 8: 2.8, 16: 4.0}), first_wait=2, max_wait=8)
     request = FakeRequest()
     for _ in range(4):
-        sizer.forecast.observe(request.forecast, fixed(confident_chain(0.5)), verified=4, accepted=[])
+        observe(sizer.forecast, request.forecast, confident_chain(0.5), verified=4, accepted=[])
     sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(40)]
     probes = [i for i, s in enumerate(sizes) if s > 0]
     assert set(sizes) == {0, 1}

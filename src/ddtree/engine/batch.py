@@ -14,6 +14,8 @@ import torch
 
 from ..models.drafter import DrafterCache
 
+PENDING_ROWS = 16  # rows a slot's plain steps set aside before they are appended to the drafter's context
+
 
 @dataclass
 class SlotSettings:
@@ -41,6 +43,10 @@ class BatchState:
     chain         bool    keep only rank 0 at every depth (DFlash's argmax chain)
     temperature   float32, top_k int64, top_p float32, seed int64: SamplingParams
     drafter       DrafterCache [max_batch, capacity, kv_heads, head_dim] per layer, or None
+    pending_features [max_batch, PENDING_ROWS, feature width]: committed rows' target features that
+                  plain steps set aside for the drafter's context, appended PENDING_ROWS at a time
+                  or before the next draft (one weight read for many rows); pending_rows int64
+                  how many each slot holds
     """
 
     def __init__(self, max_batch: int, pages_per_request: int, device: torch.device, drafter=None,
@@ -62,6 +68,10 @@ class BatchState:
         self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)
         self.seed = zeros(torch.int64)
         self.drafter = drafter.new_cache(max_batch, drafter_capacity) if drafter is not None else None
+        if drafter is not None:
+            fc = drafter.fc.weight
+            self.pending_features = torch.zeros(max_batch, PENDING_ROWS, fc.shape[1], dtype=fc.dtype, device=device)
+        self.pending_rows = zeros(torch.int64)
 
     def occupy(self, slot: int, settings: SlotSettings) -> None:
         """A request takes `slot`: its settings go in, its drafter context starts empty."""
@@ -73,6 +83,7 @@ class BatchState:
         self.seed[slot] = settings.seed
         self.remaining[slot] = settings.max_new_tokens - 1  # the prefill commits the first
         self.prefix_lens[slot] = 0
+        self.pending_rows[slot] = 0
         if self.drafter is not None:
             self.drafter.lengths[slot] = 0
         self.active[slot] = True
@@ -80,6 +91,7 @@ class BatchState:
     def vacate(self, slot: int) -> None:
         self.active[slot] = False
         self.prefix_lens[slot] = 0
+        self.pending_rows[slot] = 0
         if self.drafter is not None:
             self.drafter.lengths[slot] = 0
 

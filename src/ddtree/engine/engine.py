@@ -304,7 +304,7 @@ class Engine(OfflineGeneration):
         """Commit what a launched round committed, for its requests still running."""
         result = flight.rows()  # the one wait for the device
         seconds = flight.timer.seconds()
-        outputs = []
+        outputs, auto, slots = [], [], []
         for request in flight.requests:
             if not self._live(request):
                 continue  # it ended (or was aborted) after this round was launched
@@ -314,9 +314,12 @@ class Engine(OfflineGeneration):
             kept = request.commit(row[1 : 1 + accepted])
             experts = row[2 + self.max_depth : 2 + self.max_depth + self.moe_layers] if flight.plan.experts else None
             request.stats.add_round(len(kept), min(request.node_limit, flight.plan.budget), seconds, experts)
-            if request.auto and self.sizer.forced is None:
-                self.sizer.learn(request, row, flight.plan, self.moe_layers)
+            if request.auto:
+                auto.append(request)
+                slots.append(request.slot)
             outputs.append(self._finish_or_stream(request, kept))
+        if auto and self.sizer.forced is None:
+            self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> StepOutput:

@@ -19,6 +19,7 @@ import numpy as np
 # NO_NODE past the tree's last node.
 PATH_SCALE = 1 << 20
 NO_NODE = -(1 << 62)
+_LOG2_FIXED = round(PATH_SCALE * 0.6931471805599453)  # ln 2 in PATH_SCALE units: one bin of log2 p
 
 
 class Calibration:
@@ -36,21 +37,19 @@ class Calibration:
         self.verified = np.zeros(self.BINS)
         self.accepted = np.zeros(self.BINS)
 
-    def bins(self, logprobs: np.ndarray) -> np.ndarray:
-        """Bin index per path log-prob (natural log; -inf goes to the last bin)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            j = np.floor(-np.asarray(logprobs, dtype=np.float64) / np.log(2.0))
-        return np.clip(np.nan_to_num(j, nan=self.BINS - 1, posinf=self.BINS - 1), 0, self.BINS - 1).astype(np.int64)
+    def bins(self, path_fixed: np.ndarray) -> np.ndarray:
+        """Bin index per fixed-point path log-prob (PATH_SCALE; NO_NODE goes to the last bin)."""
+        return np.minimum(np.maximum(-np.asarray(path_fixed, dtype=np.int64), 0) // _LOG2_FIXED, self.BINS - 1)
 
     def rates(self) -> np.ndarray:
         """float64 [BINS]: the acceptance rate of a node in each bin."""
         w = self.prior_weight
         return (self.accepted + w * self.prior) / (self.verified + w)
 
-    def observe(self, bins: np.ndarray, accepted: np.ndarray) -> None:
-        """One verified tree: its nodes' bins and whether each was accepted (bool, same length)."""
-        self.verified *= self.decay
-        self.accepted *= self.decay
+    def observe(self, bins: np.ndarray, accepted: np.ndarray, trees: int = 1) -> None:
+        """Verified nodes of `trees` trees: their bins and whether each was accepted (bool, same length)."""
+        self.verified *= self.decay**trees
+        self.accepted *= self.decay**trees
         np.add.at(self.verified, bins, 1.0)
         np.add.at(self.accepted, bins[accepted], 1.0)
 
@@ -84,38 +83,45 @@ class AcceptanceForecast:
         self.calibration = Calibration()
         self.pooled_curve: np.ndarray | None = None  # the prior of a request with no tree read yet
 
-    def observe(self, forecast: RequestForecast, path_fixed: list[int], verified: int, accepted: list[int]) -> None:
-        """A tree round of one request, read back: path_fixed (info_nodes fixed-point path log-probs
-        in pop order), verified (nodes the round verified), accepted (accepted node indices, 1-based
-        pop order, root excluded)."""
-        fixed = np.asarray(path_fixed, dtype=np.int64)
-        logp = np.where(fixed == NO_NODE, -np.inf, fixed / PATH_SCALE)
-        bins = self.calibration.bins(logp)
-        present = np.isfinite(logp)
+    def observe(self, forecasts: list[RequestForecast], path_fixed: np.ndarray, verified: int, accepted: np.ndarray,
+                accept_len: np.ndarray) -> None:
+        """One tree round of R requests, read back: path_fixed int64 [R, info_nodes] (fixed-point path
+        log-probs in pop order, NO_NODE past the tree), verified (nodes the round verified), accepted
+        int64 [R, D + 1] (accepted node indices, root first, -1 after), accept_len int64 [R] (>= 1)."""
+        path_fixed, accepted, accept_len = (np.asarray(a, dtype=np.int64) for a in (path_fixed, accepted, accept_len))
+        r, n = path_fixed.shape
+        bins = self.calibration.bins(path_fixed)
+        present = path_fixed != NO_NODE
         rates = np.where(present, self.calibration.rates()[bins], 0.0)
-        curve = np.concatenate([[0.0], np.cumsum(rates)])  # [info_nodes + 1]
-        verified = min(verified, int(present.sum()))
-        was_accepted = np.zeros(verified, dtype=bool)
-        nodes = [a - 1 for a in accepted if 1 <= a <= verified]
-        was_accepted[nodes] = True
-        d = self.scale_decay
-        forecast.observed = d * forecast.observed + len(nodes)
-        forecast.predicted = d * forecast.predicted + curve[verified]
-        s = self.smoothing
-        forecast.curve = curve if forecast.curve is None else s * forecast.curve + (1 - s) * curve
-        self.pooled_curve = curve if self.pooled_curve is None else 0.9 * self.pooled_curve + 0.1 * curve
-        forecast.decode_seconds = 0.0
-        self.calibration.observe(bins[:verified], was_accepted)
+        curves = np.concatenate([np.zeros((r, 1)), np.cumsum(rates, axis=1)], axis=1)  # [R, n + 1]
+        in_tree = np.minimum(verified, present.sum(1))  # [R]
+        nodes = accepted[:, 1:]  # [R, D]: accepted tree nodes, 1-based
+        took = (np.arange(1, nodes.shape[1] + 1)[None, :] < accept_len[:, None]) & (nodes >= 1) & (nodes <= in_tree[:, None])
+        was_accepted = np.zeros((r, n), dtype=bool)
+        rows, cols = np.nonzero(took)
+        was_accepted[rows, nodes[rows, cols] - 1] = True
+        observed, predicted = took.sum(1), curves[np.arange(r), in_tree]
+        d, s = self.scale_decay, self.smoothing
+        for i, forecast in enumerate(forecasts):
+            forecast.observed = d * forecast.observed + observed[i]
+            forecast.predicted = d * forecast.predicted + predicted[i]
+            forecast.curve = curves[i] if forecast.curve is None else s * forecast.curve + (1 - s) * curves[i]
+            forecast.decode_seconds = 0.0
+        mean = curves.mean(0)
+        self.pooled_curve = mean if self.pooled_curve is None else 0.9 * self.pooled_curve + 0.1 * mean
+        verified_nodes = np.arange(n)[None, :] < in_tree[:, None]
+        self.calibration.observe(bins[verified_nodes], was_accepted[verified_nodes], trees=r)
 
-    def expected_tokens(self, forecast: RequestForecast, sizes: list[int], remaining: int) -> np.ndarray | None:
-        """float64 [len(sizes)]: tokens a round of each tree size is expected to commit for this
-        request (1 + expected accepted nodes; size 0 is a plain step: 1), at most `remaining`
-        (what the request may still take). None when nothing is known yet (no tree read at all)."""
-        curve = forecast.curve if forecast.curve is not None else self.pooled_curve
-        if curve is None:
+    def expected_tokens(self, forecasts: list[RequestForecast], sizes: list[int], remaining: np.ndarray) -> np.ndarray | None:
+        """float64 [R, len(sizes)]: tokens a round of each tree size is expected to commit for each
+        request (1 + expected accepted nodes; size 0 is a plain step: 1), at most `remaining` [R]
+        (what each may still take). None when nothing is known of some request (no tree read at all)."""
+        pooled = self.pooled_curve
+        if pooled is None and any(f.curve is None for f in forecasts):
             return None
+        curves = np.stack([pooled if f.curve is None else f.curve for f in forecasts])  # [R, n + 1]
         k = self.scale_shrink
-        scale = (forecast.observed + k) / (forecast.predicted + k)
-        nodes = curve[np.minimum(np.asarray(sizes), len(curve) - 1)] * scale
+        scale = np.array([(f.observed + k) / (f.predicted + k) for f in forecasts])
+        nodes = curves[:, np.minimum(np.asarray(sizes), curves.shape[1] - 1)] * scale[:, None]
         tokens = 1.0 + np.minimum(nodes, self.max_depth)
-        return np.minimum(tokens, max(1, remaining))
+        return np.minimum(tokens, np.maximum(1, np.asarray(remaining))[:, None])

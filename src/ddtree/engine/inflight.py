@@ -36,6 +36,12 @@ class Flight:
             self.done.synchronize()
         return self.result.tolist()
 
+    def array(self):
+        """The result as a NumPy array (int64 [bucket, width], no copy), waiting as rows() does."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.result.numpy()
+
 
 def launch_copy(result: torch.Tensor, requests: list[Request], plan: RoundPlan, timer: StageTimer) -> Flight:
     """Queue the copy of a round's device result to the host, behind the round; returns at once."""

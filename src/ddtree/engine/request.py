@@ -103,6 +103,7 @@ class Request:
         self.output: list[int] = []
         self.slot: int | None = None
         self.prefix_len = 0  # host mirror of the cache's committed entries
+        self.pending_rows = 0  # at most the rows its slot holds set aside for the drafter (engine/batch.py)
         self.finish_reason: str | None = None
         self.stats = GenerationStats()
         self.started = 0.0

@@ -28,7 +28,10 @@ class RoundPlan:
     shapes (0: the autoregressive step); k: top-k ranks per depth (min(budget, vocab), 1 for a
     chain-only batch); any_sampled / any_filtered: some slot samples / cuts by top-k or top-p;
     key_limit: bound on the drafter's context + block length; features: feed the drafter the
-    committed rows' hidden states; experts: count the routed experts each request's rows touched;
+    committed rows' hidden states (a plain step sets them aside in BatchState.pending_features);
+    flush: append the set-aside rows to the drafter's context (a plain step: after setting its
+    own aside; a tree round: before drafting); experts: count the routed experts each request's
+    rows touched;
     info_nodes: build each tree to this many nodes (>= budget) and report their path log-probs
     (engine/forecast.py), verifying the first `budget` (0: build to budget, report nothing).
     """
@@ -42,6 +45,7 @@ class RoundPlan:
     features: bool
     experts: bool
     info_nodes: int = 0
+    flush: bool = False
 
 
 @dataclass
@@ -121,8 +125,13 @@ def _ar_step(ctx, state, plan, max_depth, timer):
     chosen = _choose(state, plan, logits, positions)[:, 0]
     timer.mark("accept")
     accept_len = active.long()
-    if plan.features:
-        ctx.drafter.append_context(state.drafter_view(plan.bucket), torch.cat(hidden, -1), accept_len, check=False)
+    if plan.features:  # the drafter's context takes this row at the next flush, with others at once
+        s_rows = torch.arange(plan.bucket, device=ids.device)
+        pending = state.pending_rows[s]
+        state.pending_features[s_rows, pending.clamp_max(state.pending_features.shape[1] - 1)] = torch.cat(hidden, -1)[:, 0]
+        pending += accept_len
+        if plan.flush:
+            _flush(ctx, state, plan)
     state.prefix_lens[s] += num_rows
     state.remaining[s] -= accept_len
     state.bonus[s] = chosen
@@ -136,6 +145,8 @@ def _tree_round(ctx, state, plan, max_depth, timer):
     s = slice(0, plan.bucket)
     active, bonus = state.taking_part(plan.bucket), state.bonus[s]
     cache = state.drafter_view(plan.bucket)
+    if plan.flush:
+        _flush(ctx, state, plan)
     draft = ctx.drafter.draft_logits(ctx.target, bonus, cache, plan.key_limit)  # [B, D, V]
     timer.mark("draft")
     lp, tok = topk_logprobs(draft, plan.k)
@@ -179,6 +190,14 @@ def _tree_round(ctx, state, plan, max_depth, timer):
         return _pack(accept_len, committed, touched)
     fixed = torch.where(torch.isfinite(info), (info.double() * PATH_SCALE).round().long(), NO_NODE)
     return _pack(accept_len, committed, touched, fixed, accepted)
+
+
+def _flush(ctx, state, plan):
+    """Append the rows plain steps set aside to the drafter's context (one pass for all of them)."""
+    s = slice(0, plan.bucket)
+    ctx.drafter.append_context(state.drafter_view(plan.bucket), state.pending_features[s], state.pending_rows[s],
+                               check=False)
+    state.pending_rows[s] = 0
 
 
 def _pack(accept_len, committed, touched, *info):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .batch import PENDING_ROWS
 from .request import Request
 from .round import RoundPlan
 from .sampling import SamplingParams
@@ -42,11 +43,18 @@ def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPla
         longest = max(r.prefix_len for r in requests) + behind + block
         capacity = engine.state.drafter.keys[0].shape[1]
         key_limit = min(capacity, -(-longest // 64) * 64)
-    # "auto" requests keep the drafter's context current through plain steps too, so that a tree
-    # can follow any step.
+    # "auto" requests keep the drafter's context through plain steps too (set aside, appended a
+    # batch of rows at a time), so that a tree can follow any step.
+    features = budget > 0 or bool(auto)
+    if budget == 0:
+        flush = features and any(r.pending_rows + 1 >= PENDING_ROWS for r in requests)
+    else:
+        flush = any(r.pending_rows > 0 for r in requests)
+    for r in requests:  # the host's count is an upper bound: a slot out of tokens sets nothing aside
+        r.pending_rows = 0 if flush else r.pending_rows + (budget == 0 and features)
     return RoundPlan(bucket=bucket, budget=budget, k=k if budget else 0, any_sampled=sampled, any_filtered=filtered,
-                     key_limit=key_limit, features=budget > 0 or bool(auto), experts=engine.moe_layers > 0,
-                     info_nodes=info)
+                     key_limit=key_limit, features=features, experts=engine.moe_layers > 0, info_nodes=info,
+                     flush=flush)
 
 
 def per_prompt_params(count: int, *, max_new_tokens, temperature, top_p, top_k, seed, stop) -> list[SamplingParams]:

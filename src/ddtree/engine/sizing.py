@@ -12,7 +12,7 @@ once the plain steps it took since its last tree cost `wait` times what one prob
 smallest tree) costs over a plain step, the round runs the smallest tree. Each probe doubles the
 request's wait (up to `max_wait`), and a tree chosen on its merits resets it, so a drafter that
 keeps failing costs at most about 1 / max_wait over plain decoding, and one that recovers is
-found within a few steps.
+found within a few steps. A new request starts from the wait its predecessors reached.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class TreeSizer:
             raise ValueError(f"tree_sizes must be distinct positive ints in ascending order, got {tree_sizes!r}")
         self.tree_sizes = tuple(tree_sizes)
         self.costs, self.first_wait, self.max_wait = costs, first_wait, max_wait
+        self.wait_prior = first_wait  # where a new request's wait starts: the latest wait set
         self.forecast = AcceptanceForecast(self.info_nodes, max_depth)
         self.forced: int | None = None  # a fixed size for every round (cost measurement)
 
@@ -73,6 +74,11 @@ class TreeSizer:
     def sizes(self) -> tuple[int, ...]:
         """Every size a round of "auto" requests may take, plain steps (0) included."""
         return (0,) + self.tree_sizes
+
+    def forget(self) -> None:
+        """Drop what the forecast learned (calibration and the pooled prior), as for a new workload;
+        requests already running keep their own history."""
+        self.forecast = AcceptanceForecast(self.info_nodes, self.forecast.max_depth)
 
     def unmeasured(self, buckets: list[int]) -> list[int]:
         """The buckets of `buckets` the cost table lacks a size of."""
@@ -92,38 +98,47 @@ class TreeSizer:
             return max(self.forced, floor)
         seconds = self._row(bucket, candidates)
         smallest_tree = next(s for s in candidates if s > 0)
-        expected = [self.forecast.expected_tokens(r.forecast, candidates, r.remaining_tokens()) for r in auto]
-        if seconds is None or any(e is None for e in expected):
+        expected = self.forecast.expected_tokens([r.forecast for r in auto], candidates,
+                                                 [r.remaining_tokens() for r in auto])
+        if seconds is None or expected is None:
             size = smallest_tree  # nothing measured or nothing known: the cheapest tree that teaches
         else:
-            tokens = fixed_tokens + np.sum(expected, axis=0)
+            tokens = fixed_tokens + expected.sum(0)
             size = best_size(candidates, seconds, tokens.tolist())
             if size == 0:
                 size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
             elif floor == 0:
                 for r in auto:
                     r.forecast.wait = self.first_wait  # a tree on its merits
+                self.wait_prior = self.first_wait
         if size > 0:
             for r in auto:
                 r.forecast.decode_seconds = 0.0  # a tree is coming back: no probe until it is read
         return size
 
-    def learn(self, request, row: list[int], plan, moe_layers: int) -> None:
-        """Read an "auto" request's row of a round's result (round.result_width) into its forecast."""
-        if not plan.info_nodes or row[0] < 1:  # a plain step, or the request sat this round out
+    def learn(self, requests: list, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
+        """Read a tree round's result (int64 [bucket, round.result_width]) for its "auto" requests
+        (in `slots` during that round) into their forecasts."""
+        if not plan.info_nodes or not requests:
             return
-        start = 2 + self.forecast.max_depth + (moe_layers if plan.experts else 0)
-        path = row[start : start + plan.info_nodes]
-        accepted = row[start + plan.info_nodes : start + plan.info_nodes + self.forecast.max_depth + 1]
-        verified = min(plan.budget, request.node_limit)
-        self.forecast.observe(request.forecast, path, verified, accepted[1 : row[0]])
+        rows = result[slots]
+        took_part = rows[:, 0] >= 1  # a slot out of tokens sat the round out
+        if not took_part.any():
+            return
+        rows = rows[took_part]
+        depth, n = self.forecast.max_depth, plan.info_nodes
+        start = 2 + depth + (moe_layers if plan.experts else 0)
+        self.forecast.observe([r.forecast for r, t in zip(requests, took_part) if t], rows[:, start : start + n],
+                              plan.budget, rows[:, start + n : start + n + depth + 1], rows[:, 0])
 
     def _probe_or_decode(self, auto: list, decode: float, probe: float, probe_size: int) -> int:
         for r in auto:
             r.forecast.decode_seconds += decode
-        due = [r for r in auto if r.forecast.decode_seconds >= (r.forecast.wait or self.first_wait) * (probe - decode)]
+        for r in auto:
+            r.forecast.wait = r.forecast.wait or self.wait_prior
+        due = [r for r in auto if r.forecast.decode_seconds >= r.forecast.wait * (probe - decode)]
         for r in due:
-            r.forecast.wait = min(2 * (r.forecast.wait or self.first_wait), self.max_wait)
+            r.forecast.wait = self.wait_prior = min(2 * r.forecast.wait, self.max_wait)
         return probe_size if due else 0
 
     def _row(self, bucket: int, sizes: list[int]) -> list[float] | None:

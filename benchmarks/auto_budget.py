@@ -1,0 +1,190 @@
+"""budget="auto" beside every fixed choice, in one run: tokens/s of `auto`, `ar`, `chain` and
+ddtree at fixed budgets, per batch size B, on the same prompts.
+
+    python benchmarks/auto_budget.py --pair demo                         # the demo pair (held-out prompts)
+    python benchmarks/auto_budget.py --pair demo --device cpu --batches 1 8
+    python benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong    # random weights, replayed acceptance
+    python benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong
+    python benchmarks/auto_budget.py --combine results/auto_budget-*-nvidia-h200.json
+
+Real-size pairs (benchmarks/configs/) are round_setup's successor targets with a random DFlash
+drafter wrapped in replay_drafter.ReplayDrafter: the demo pair's recorded rounds replayed on the
+target's greedy continuation. --wrong adds `auto` with a drafter that is always wrong.
+
+Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up. Every
+configuration runs twice on the same prompts: a warm-up pass (kernels compiled, graphs captured,
+and auto's forecast learned, as in a server that has been up a while), then the timed pass.
+tokens/s: generated tokens over the wall time of the pass; decode tokens/s leaves out the first
+token and the wall time of the same prompts at max_new_tokens = 1 (their prefill). The bars use
+decode tokens/s. `ar` runs first and again last: the two show the run-to-run spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from auto_budget_report import bars, combine, plot, table  # noqa: E402
+from common import environment, write_results  # noqa: E402
+
+from ddtree import Engine  # noqa: E402
+from ddtree.engine.pages import pages_for  # noqa: E402
+
+PROMPTS = Path(__file__).resolve().parent / "data" / "demo_prompts.jsonl"
+PROMPTS_PER_BATCH = {1: 16, 8: 32, 32: 64}  # demo pair: B = 1 runs 16 prompts one after another
+
+
+def configs(budgets: list[int], wrong: bool) -> list[tuple[str, str, object]]:
+    """(label, mode, budget) in run order; `ar` again at the end."""
+    rows = [("ar", "ar", 1), ("chain", "chain", 1)] + [(f"ddtree {b}", "ddtree", b) for b in budgets]
+    rows.append(("auto", "ddtree", "auto"))
+    if wrong:
+        rows.append(("auto, wrong drafter", "ddtree", "auto"))
+    return rows + [("ar (again)", "ar", 1)]
+
+
+class Workload:
+    """The prompts of one B, in groups that fill the batch, and how a pass runs them."""
+
+    def __init__(self, engine: Engine, groups: list[list], new: int, replay=None, prefix: int | None = None):
+        """groups: prompts run together (one generate each); replay: the ReplayDrafter to give each
+        slot its truth; prefix: the prompts' length (round costs are measured at it)."""
+        self.engine, self.groups, self.new, self.replay, self.prefix = engine, groups, new, replay, prefix
+        self.continuations: list[list[list[int]]] | None = None  # ar's tokens per group (the replay's truth)
+
+    def set_continuations(self, outs: list) -> None:
+        tokens = iter(o.token_ids for o in outs)
+        self.continuations = [[next(tokens) for _ in group] for group in self.groups]
+
+    def run(self, mode: str, budget, new: int | None = None) -> tuple[float, list]:
+        """One pass over every group; (wall seconds, outputs in prompt order)."""
+        engine, outs, seconds = self.engine, [], 0.0
+        for g, group in enumerate(self.groups):
+            if self.replay is not None and self.continuations is not None:
+                for slot, (prompt, tokens) in enumerate(zip(group, self.continuations[g])):
+                    self.replay.set_sequence(slot, prompt + tokens)  # generate fills free slots in order
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs += engine.generate(group, max_new_tokens=new or self.new, mode=mode, budget=budget, temperature=0.0)
+            seconds += time.perf_counter() - start
+        return seconds, outs
+
+
+def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | None, prefill_s: float) -> dict:
+    work.run(mode, budget)  # warm-up pass
+    seconds, outs = work.run(mode, budget)
+    tokens = sum(len(o.token_ids) for o in outs)
+    rounds = [n for o in outs for n in o.stats.acceptance_lengths]
+    sizes = [s for o in outs for s in o.stats.tree_sizes]
+    row = {"config": label, "mode": mode, "budget": budget, "requests": len(outs), "tokens": tokens,
+           "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "decode_tokens_per_s": (tokens - len(outs)) / max(seconds - prefill_s, 1e-9),
+           "mean_acceptance_length": sum(rounds) / max(1, len(rounds)), "rounds": len(rounds),
+           "tree_rounds": sum(s > 0 for s in sizes), "mean_tree_size": sum(sizes) / max(1, len(sizes)),
+           "size_histogram": {str(s): sizes.count(s) for s in sorted(set(sizes))},
+           "equal_to_ar": None if ar_tokens is None else sum(o.token_ids == a for o, a in zip(outs, ar_tokens))}
+    print(f"  {label:22s} {row['decode_tokens_per_s']:9.1f} decode tokens/s ({row['tokens_per_s']:.1f} with prefill), "
+          f"acceptance {row['mean_acceptance_length']:.2f}, mean size {row['mean_tree_size']:.1f}, "
+          f"equal to ar {row['equal_to_ar']}", flush=True)
+    return row
+
+
+def run_batch(engine: Engine, work: Workload, batch: int, budgets: list[int], wrong: bool) -> list[dict]:
+    start = time.perf_counter()
+    costs = engine.measure_round_costs(prefix=work.prefix)
+    print(f"B={batch}: round costs measured in {time.perf_counter() - start:.1f} s", flush=True)
+    work.run("ar", 1, new=1)
+    prefill_s = sorted(work.run("ar", 1, new=1)[0] for _ in range(3))[1]
+    _, ar_outs = work.run("ar", 1)
+    ar_tokens = [o.token_ids for o in ar_outs]
+    work.set_continuations(ar_outs)
+    rows = []
+    for label, mode, budget in configs(budgets, wrong):
+        wrong_drafter = label.endswith("wrong drafter")
+        if wrong_drafter:  # a fresh forecast: what auto does from the start with a useless drafter
+            work.replay.wrong = True
+            engine.sizer.forget()
+        rows.append(measure(work, label, mode, budget, ar_tokens, prefill_s))
+        if wrong_drafter:
+            work.replay.wrong = False
+    for row in rows:
+        row.update(batch=batch, prefill_seconds=prefill_s)
+    rows[0]["round_costs_ms"] = {str(b): {str(s): t * 1e3 for s, t in r.items()} for b, r in costs.seconds.items()}
+    return rows
+
+
+def demo_workloads(args, device):
+    prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    for batch in args.batches:
+        engine = Engine.from_pretrained(device=device, max_batch=batch, max_budget=max(args.budgets))
+        yield batch, engine, Workload(engine, [prompts[: PROMPTS_PER_BATCH.get(batch, 4 * batch)]], args.new)
+
+
+def replay_workloads(args, device):
+    from replay_drafter import ReplayDrafter
+    from round_setup import build_pair
+
+    target, drafter, _, info = build_pair(args.pair, args.layers, device)
+    args.pair_info = info
+    gen = torch.Generator().manual_seed(5)
+    vocab = target.cfg.vocab_size
+    max_len = args.prefix + max(args.new, 256) + 64  # round-cost stand-ins run ~210 tokens past the prefix
+    for batch in args.batches:
+        waves = max(1, 4 // batch)
+        groups = [[torch.randint(0, vocab - 1, (args.prefix,), generator=gen).tolist() for _ in range(batch)]
+                  for _ in range(waves)]
+        replay = ReplayDrafter(drafter, batch, max_len + 64)
+        pages = batch * pages_for(max_len + max(args.budgets) + 1, 64) + 1
+        engine = Engine(target, replay, max_batch=batch, max_model_len=max_len, max_budget=max(args.budgets),
+                        num_pages=pages, stop_token_ids=())
+        yield batch, engine, Workload(engine, groups, args.new, replay, args.prefix)
+        del engine, replay
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="demo", help="demo, or a config of benchmarks/configs (tiny: CPU smoke)")
+    parser.add_argument("--layers", type=int, default=None, help="real-size pairs: the first N decoder layers")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--new", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--prefix", type=int, default=512, help="real-size pairs: prompt tokens")
+    parser.add_argument("--wrong", action="store_true", help="real-size pairs: also auto with an always-wrong drafter")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--combine", type=Path, nargs="+", default=None, help="write the bars of these result files")
+    args = parser.parse_args()
+    if args.combine:
+        print(combine(args.combine, args.out_dir).read_text())
+        return
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    workloads = demo_workloads(args, device) if args.pair == "demo" else replay_workloads(args, device)
+    rows = []
+    for batch, engine, work in workloads:
+        rows += run_batch(engine, work, batch, args.budgets, args.wrong)
+    name = args.pair + (f"-{args.layers}l" if args.layers else "")
+    payload = {"environment": environment(), "pair": name, "device": str(device), "new_tokens": args.new,
+               "batches": args.batches, "budgets": args.budgets, "rows": rows,
+               "pair_info": getattr(args, "pair_info", None), "prefix": None if args.pair == "demo" else args.prefix}
+    payload["bars"] = bars(rows, replay=args.pair != "demo")
+    md = write_results(f"auto_budget-{name}", payload, table(payload), args.out_dir)
+    plot(payload, md.with_suffix(".png"))
+    print(md.read_text())
+
+
+if __name__ == "__main__":
+    main()

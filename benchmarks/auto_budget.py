@@ -172,6 +172,8 @@ def main() -> None:
         print(combine(args.combine, args.out_dir).read_text())
         return
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":  # denormal floats slow some CPU steps of the random models twofold, at random
+        torch.set_flush_denormal(True)
     workloads = demo_workloads(args, device) if args.pair == "demo" else replay_workloads(args, device)
     rows = []
     for batch, engine, work in workloads:

@@ -15,7 +15,7 @@ def add_profile_command(commands):
     p.add_argument("--out", required=True, help="the JSON file to write")
     p.add_argument("--prefix", type=_positive(int), default=None,
                    help="prompt tokens of each stand-in request (default: min(256, max_model_len / 4))")
-    p.add_argument("--repeats", type=_positive(int), default=8, help="timed steps per shape (median)")
+    p.add_argument("--repeats", type=_positive(int), default=6, help="timed steps per shape and pass (median)")
     return p
 
 

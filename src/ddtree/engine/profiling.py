@@ -35,11 +35,13 @@ def buckets_up_to(count: int, max_batch: int) -> list[int]:
 
 
 def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None, warmup: int = 3,
-                        repeats: int = 8, progress: bool | None = None) -> RoundCosts:
+                        repeats: int = 6, passes: int = 2, progress: bool | None = None) -> RoundCosts:
     """Seconds per step at each bucket in `buckets` and each size of engine.sizer.sizes.
 
     prefix: prompt tokens of each stand-in (default min(256, max_model_len // 4)); warmup / repeats:
-    steps per shape before and in the median; progress: a bar on stderr (None: when it is a terminal).
+    steps per shape before and in the median; passes: over every size of a bucket (the second in
+    reverse order), keeping each size's lowest median, so that a slow spell of the machine does
+    not land on one size alone; progress: a bar on stderr (None: when it is a terminal).
     Needs an idle engine: nothing queued or running (Engine.measure_round_costs holds its queue
     back meanwhile)."""
     if engine.sizer is None:
@@ -47,8 +49,9 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     if engine.has_unfinished():
         raise RuntimeError("round costs are measured on an idle engine: finish or abort its requests first")
     engine.drain()  # a round launched after its requests' last tokens: nobody waits for it
-    if warmup < 3 or repeats < 1:
-        raise ValueError(f"need warmup >= 3 (compile, capture, first replay) and repeats >= 1, got {warmup}, {repeats}")
+    if warmup < 3 or repeats < 1 or passes < 1:
+        raise ValueError(f"need warmup >= 3 (compile, capture, first replay), repeats >= 1 and passes >= 1, "
+                         f"got {warmup}, {repeats}, {passes}")
     prefix = prefix or max(1, min(256, engine.max_model_len // 4))
     steps = warmup + repeats
     new_tokens = (steps + 2) * (engine.max_depth + 1) + 1  # more than the steps can commit
@@ -57,19 +60,21 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
                          f"(prompt {prefix} + {new_tokens} tokens)")
     sizes = engine.sizer.sizes
     table = RoundCosts(engine.signature, details={"prefix": prefix, "warmup": warmup, "repeats": repeats,
-                                                   "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                                   "passes": passes, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                                    "torch": torch.__version__})
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     vocab = engine.target.cfg.vocab_size
     start = time.perf_counter()
-    bar = _bar(len(buckets) * len(sizes), progress)
+    bar = _bar(len(buckets) * len(sizes) * passes, progress)
     for bucket in buckets:
         row = table.seconds.setdefault(bucket, {})
-        for size in sizes:
-            prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
-            row[size] = _time_steps(engine, prompts, params, size, warmup, repeats)
-            bar.update(1)
+        for p in range(passes):
+            for size in sizes if p % 2 == 0 else sizes[::-1]:
+                prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
+                seconds = _time_steps(engine, prompts, params, size, warmup, repeats)
+                row[size] = min(row.get(size, seconds), seconds)
+                bar.update(1)
     bar.close()
     log.info("measured round costs for batch buckets %s x tree sizes %s in %.1f s", buckets, list(sizes),
              time.perf_counter() - start)

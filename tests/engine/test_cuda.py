@@ -25,12 +25,13 @@ def test_float32_on_cuda_equals_the_cpu(tmp_path):
     want = [o.token_ids for o in cpu.generate(batch, max_new_tokens=24, mode="ar")]
     gpu = Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.float32, page_size=16,
                                  stop_token_ids=())
-    for mode, budget in [("ar", 1), ("chain", 1), ("ddtree", 4), ("ddtree", 64)]:
+    for mode, budget in [("ar", 1), ("chain", 1), ("ddtree", 4), ("ddtree", 64), ("ddtree", "auto")]:
         got = gpu.generate(batch, max_new_tokens=24, mode=mode, budget=budget, temperature=0.0)
         assert [o.token_ids for o in got] == want, mode
-    sampled = {m: [o.token_ids for o in gpu.generate(batch, max_new_tokens=24, mode=m, budget=16, temperature=1.0,
-                                                      seed=list(range(6)))] for m in ("ar", "ddtree")}
-    assert sampled["ar"] == sampled["ddtree"]
+    sampled = {b: [o.token_ids for o in gpu.generate(batch, max_new_tokens=24, mode="ar" if b == 1 else "ddtree",
+                                                      budget=b, temperature=1.0, seed=list(range(6)))]
+               for b in (1, 16, "auto")}
+    assert sampled[1] == sampled[16] == sampled["auto"]
 
 
 def _bf16_pair():

@@ -46,6 +46,9 @@ def test_plan_description_names_its_shape():
     assert describe(plan) == "batch 8, tree budget 64, drafter keys <= 1024, sampled"
     assert describe(RoundPlan(bucket=1, budget=0, k=0, any_sampled=False, any_filtered=False, key_limit=None,
                               features=False, experts=False)) == "batch 1, ar"
+    auto = RoundPlan(bucket=4, budget=8, k=64, any_sampled=False, any_filtered=False, key_limit=256, features=True,
+                     experts=False, info_nodes=64, flush=True)
+    assert describe(auto) == "batch 4, tree budget 8, drafter keys <= 256, built to 64, drafter context appended"
 
 
 @pytest.mark.cuda
@@ -81,3 +84,36 @@ def test_requests_joining_and_leaving_a_graphed_batch(tmp_path):
     got = graphed.generate(batch, max_new_tokens=lengths, mode="ddtree", budget=8)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert graphed.graphs.replays > 0
+
+
+@pytest.mark.cuda
+def test_auto_rounds_graphed_equal_eager_through_plain_steps_and_trees(tmp_path):
+    """budget "auto" with the size forced through plain steps (rows set aside, flushed after 16)
+    and trees of several sizes: graphed rounds commit what eager rounds commit, and leave the same
+    drafter context."""
+    from ddtree import SamplingParams
+    from ddtree.engine.costs import RoundCosts
+
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    engines = []
+    for graphs in (False, True):
+        engine = Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.bfloat16, page_size=16,
+                                        max_batch=4, stop_token_ids=(), cuda_graphs=graphs)
+        engine.sizer.costs = RoundCosts(engine.signature, {})  # sizes are forced: nothing to measure
+        for p in prompts(3, 96, seed=12):
+            engine.add_request(p, SamplingParams(max_new_tokens=200))
+        engines.append(engine)
+    pattern = ([0] * 5 + [4] + [0] * 18 + [2, 16, 16]) * 2
+    outs = [[], []]
+    for size in pattern:
+        for engine, out in zip(engines, outs):
+            engine.sizer.forced = size
+            out.append([(o.request_id, o.new_token_ids) for o in engine.step()])
+    assert outs[0] == outs[1] and engines[1].graphs.replays > 0
+    eager, graphed = (e.state for e in engines)
+    assert torch.equal(eager.drafter.lengths, graphed.drafter.lengths)
+    assert torch.equal(eager.pending_rows, graphed.pending_rows) and torch.equal(eager.prefix_lens, graphed.prefix_lens)
+    for slot in range(3):
+        n = int(eager.drafter.lengths[slot])
+        for a, b in zip(eager.drafter.keys + eager.drafter.values, graphed.drafter.keys + graphed.drafter.values):
+            assert torch.equal(a[slot, :n], b[slot, :n])

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
+#   dev/auto_budget_device.sh OUT tests tiny demo moonlight kimi
+# Each part's files land under OUT (the device tool brings back 8 files at most: pick parts to fit).
+set -uo pipefail
+out=$1
+shift
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+for part in "$@"; do
+  start=$(date +%s)
+  case $part in
+    tests) timeout 420 python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 tests/engine tests/benchmarks 2>&1 \
+             | tee "$out/cuda_tests.log" | tail -15 ;;
+    tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \
+            --out-dir /tmp/tiny 2>&1 | grep -A3 "Bars\|^  " ;;
+    demo) python3 benchmarks/auto_budget.py --pair demo --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;
+    moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --out-dir "$out" 2>&1 \
+                 | tee "$out/moonlight.log" | grep -v "^|" ;;
+    kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --out-dir "$out" 2>&1 \
+            | tee "$out/kimi.log" | grep -v "^|" ;;
+    *) echo "unknown part $part" ;;
+  esac
+  echo "== $part took $(( $(date +%s) - start )) s"
+done

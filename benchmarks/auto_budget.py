@@ -83,6 +83,8 @@ class Workload:
 
 def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | None, prefill_s: float) -> dict:
     work.run(mode, budget)  # warm-up pass
+    graphs = work.engine.graphs
+    eager = graphs.eager_rounds if graphs is not None else None
     seconds, outs = work.run(mode, budget)
     tokens = sum(len(o.token_ids) for o in outs)
     rounds = [n for o in outs for n in o.stats.acceptance_lengths]
@@ -93,7 +95,11 @@ def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | Non
            "mean_acceptance_length": sum(rounds) / max(1, len(rounds)), "rounds": len(rounds),
            "tree_rounds": sum(s > 0 for s in sizes), "mean_tree_size": sum(sizes) / max(1, len(sizes)),
            "size_histogram": {str(s): sizes.count(s) for s in sorted(set(sizes))},
-           "equal_to_ar": None if ar_tokens is None else sum(o.token_ids == a for o, a in zip(outs, ar_tokens))}
+           "equal_to_ar": None if ar_tokens is None else sum(o.token_ids == a for o, a in zip(outs, ar_tokens)),
+           # the device's time per round (CUDA events around each round; each request counts its rounds)
+           "round_ms": 1e3 * sum(sum(v for k, v in o.stats.stage_seconds.items() if k != "prefill") for o in outs)
+           / max(1, len(rounds)),
+           "eager_rounds": None if graphs is None else graphs.eager_rounds - eager}
     print(f"  {label:22s} {row['decode_tokens_per_s']:9.1f} decode tokens/s ({row['tokens_per_s']:.1f} with prefill), "
           f"acceptance {row['mean_acceptance_length']:.2f}, mean size {row['mean_tree_size']:.1f}, "
           f"equal to ar {row['equal_to_ar']}", flush=True)

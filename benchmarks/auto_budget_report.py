@@ -51,10 +51,11 @@ def table(payload: dict) -> str:
         parts.append(f"## B = {batch} ({rows[0]['requests']} requests)")
         parts.append(markdown_table(
             ["config", "decode tokens/s", "vs best fixed", "tokens/s", "acceptance", "mean tree size", "tree rounds",
-             "equal to ar"],
+             "equal to ar", "device ms per round", "eager rounds"],
             [[r["config"], f"{r['decode_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s'] / best:.3f}",
               f"{r['tokens_per_s']:.1f}", f"{r['mean_acceptance_length']:.2f}", f"{r['mean_tree_size']:.1f}",
-              f"{r['tree_rounds']}/{r['rounds']}", f"{r['equal_to_ar']}/{r['requests']}"] for r in rows]))
+              f"{r['tree_rounds']}/{r['rounds']}", f"{r['equal_to_ar']}/{r['requests']}", f"{r['round_ms']:.3f}",
+              "-" if r["eager_rounds"] is None else r["eager_rounds"]] for r in rows]))
         auto = next(r for r in rows if r["config"] == AUTO)
         parts.append(f"auto's tree sizes (size: rounds): {auto['size_histogram']}")
         costs = rows[0].get("round_costs_ms", {})

@@ -80,10 +80,11 @@ class ReplayDrafter:
         positions = (cache.lengths.long()[:, None] + steps).clamp_max(self.sequences.shape[1] - 1)
         truth = self.sequences[:b].gather(1, positions)  # [B, D], -1 where unknown
         ranks = torch.where(truth >= 0, ranks, -1)
-        # Rank i holds token (truth + 1 + i) mod V, none of which is the truth; then the truth
-        # takes its recorded rank.
+        # Rank i holds token truth - rank + i (mod V): the truth at its rank, and ids rising with
+        # the rank, so equal recorded log-probs (ties break by token id) keep the recorded order.
+        # Without a rank (not in the top K, or unknown) the ranks hold truth + 1 + i.
         offsets = torch.arange(k, device=logits.device)
-        tokens = (truth.clamp_min(0)[..., None] + 1 + offsets) % vocab  # [B, D, K]
-        tokens = torch.where(offsets == ranks[..., None], truth.clamp_min(0)[..., None], tokens)
+        first = truth.clamp_min(0) - torch.where(ranks >= 0, ranks, -1)
+        tokens = (first[..., None] + offsets) % vocab  # [B, D, K]
         replayed = self.rest_logprob[pick][..., None].expand(b, depth, vocab).clone()
         return replayed.scatter_(2, tokens, lp)

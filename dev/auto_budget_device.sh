@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT tests tiny demo moonlight kimi
+#   dev/auto_budget_device.sh OUT tests tiny demo moonlight kimi steps
 # Each part's files land under OUT (the device tool brings back 8 files at most: pick parts to fit).
 set -uo pipefail
 out=$1
@@ -19,6 +19,8 @@ for part in "$@"; do
                  | tee "$out/moonlight.log" | grep -v "^|" ;;
     kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --out-dir "$out" 2>&1 \
             | tee "$out/kimi.log" | grep -v "^|" ;;
+    steps) python3 dev/demo_step_profile.py --batch 8 --configs ar,1 ddtree,32 ddtree,auto 2>&1 \
+             | tee "$out/steps.log" | grep "wall" ;;
     *) echo "unknown part $part" ;;
   esac
   echo "== $part took $(( $(date +%s) - start )) s"

@@ -11,7 +11,8 @@ SIGNATURE = {"device": "cpu", "dtype": "float32", "cuda_graphs": False, "target"
 
 
 def table() -> RoundCosts:
-    return RoundCosts(dict(SIGNATURE), {1: {0: 0.001, 4: 0.003, 16: 0.007}, 2: {0: 0.002, 16: 0.01}}, {"prefix": 8})
+    return RoundCosts(dict(SIGNATURE), {1: {0: 0.001, 4: 0.003, 16: 0.007}, 2: {0: 0.002, 16: 0.01}}, {"prefix": 8},
+                      {1: {0: 1.0, 4: 2.5, 16: 3.0}})
 
 
 def test_measured_and_interpolated_costs():
@@ -32,6 +33,7 @@ def test_json_round_trip_and_signature_checks(tmp_path):
     assert json.loads(path.read_text())["format"] == FORMAT
     back = RoundCosts.load(path, SIGNATURE)
     assert back.seconds == table().seconds and back.details == {"prefix": 8}
+    assert back.tokens == table().tokens and back.tokens_per_step(1, 5) == 2.5 and back.tokens_per_step(2, 0) == 0.0
     with pytest.raises(ValueError, match=r"measured for dtype = 'float32', but this engine has 'bfloat16'"):
         RoundCosts.load(path, {**SIGNATURE, "dtype": "bfloat16"})
     with pytest.raises(ValueError, match="measured for target"):

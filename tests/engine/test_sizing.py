@@ -140,3 +140,20 @@ def test_probes_come_back_with_doubling_waits():
     # One probe costs one plain step more here: the probe comes once the plain steps since the
     # last tree (the probe's own included) reach the wait, which doubles from 2 up to 8.
     assert probes[0] == 1 and np.diff(probes).tolist()[:4] == [4, 8, 8, 8]
+
+
+def test_host_work_per_committed_token_weighs_against_big_trees():
+    """The stand-ins committed 1 token a step; a good request commits 8 at size 16. When the host
+    spends 1 s per token (a host-bound pair), the tree's extra tokens cost more than they earn."""
+    table = costs({0: 1.0, 1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0})
+    table.tokens = {b: {s: 1.0 for s in (0, 1, 2, 4, 8, 16)} for b in (1, 4)}
+    sizer = TreeSizer(SIZES, DEPTH, table)
+    request = FakeRequest()
+    for _ in range(6):
+        observe(sizer.forecast, request.forecast, confident_chain(0.99), verified=16, accepted=list(range(1, 8)))
+    assert sizer.choose(1, [request], 0.0, 0) > 0  # no host cost measured yet: 8 tokens for 2 s
+    sizer.host.add(seconds=10.0, tokens=10)
+    assert sizer.host.per_token == 1.0
+    assert sizer.choose(1, [request], 0.0, 0) == 0  # 8 tokens now cost 2 + 7 * 1 = 9 s: plain steps
+    sizer.host.add(seconds=0.0, tokens=10_000)  # the host got fast: trees again
+    assert sizer.host.per_token < 0.01 and sizer.choose(1, [request], 0.0, 0) > 0

@@ -39,12 +39,15 @@ def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool) -> 
 @dataclass
 class RoundCosts:
     """seconds[bucket][size]: the median wall time of one engine step with `bucket` requests all
-    running rounds of `size` tree nodes (0: a plain decode step). signature: pair_signature of
-    the engine it was measured on; details: how it was measured (prefix length, repeats, date)."""
+    running rounds of `size` tree nodes (0: a plain decode step); tokens[bucket][size]: the tokens
+    those steps committed, on average (the host's work grows with them: TreeSizer corrects for
+    the tokens a real step commits). signature: pair_signature of the engine it was measured on;
+    details: how it was measured (prefix length, repeats, date)."""
 
     signature: dict
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     details: dict = field(default_factory=dict)
+    tokens: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def buckets(self) -> list[int]:
         return sorted(self.seconds)
@@ -69,16 +72,28 @@ class RoundCosts:
         lo, hi = max(below), min(above)
         return row[lo] + (row[hi] - row[lo]) * (size - lo) / (hi - lo)
 
+    def tokens_per_step(self, bucket: int, size: int) -> float:
+        """Tokens the measured steps at (bucket, size) committed (nearest measured size; 0 if unknown)."""
+        row = self.tokens.get(bucket)
+        if not row:
+            return 0.0
+        return row[min(row, key=lambda s: abs(s - size))]
+
     def merge(self, other: "RoundCosts") -> None:
         """Take `other`'s measurements (same signature), replacing ours where both have one."""
         check_signature(other.signature, self.signature, "merged table")
         for bucket, row in other.seconds.items():
             self.seconds.setdefault(bucket, {}).update(row)
+        for bucket, row in other.tokens.items():
+            self.tokens.setdefault(bucket, {}).update(row)
         self.details.update(other.details)
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "signature": self.signature, "details": self.details,
-                "seconds": {str(b): {str(s): t for s, t in sorted(row.items())} for b, row in sorted(self.seconds.items())}}
+        def rows(table):
+            return {str(b): {str(s): v for s, v in sorted(row.items())} for b, row in sorted(table.items())}
+
+        return {"format": FORMAT, "signature": self.signature, "details": self.details, "seconds": rows(self.seconds),
+                "tokens": rows(self.tokens)}
 
     @classmethod
     def from_json(cls, data: dict, source: str = "the table") -> "RoundCosts":
@@ -86,13 +101,14 @@ class RoundCosts:
             raise ValueError(f"{source} is not a ddtree round-cost table (format {FORMAT!r}; `ddtree profile` writes one)")
         try:
             seconds = {int(b): {int(s): float(t) for s, t in row.items()} for b, row in data["seconds"].items()}
+            tokens = {int(b): {int(s): float(t) for s, t in row.items()} for b, row in data.get("tokens", {}).items()}
         except (KeyError, AttributeError, TypeError, ValueError) as err:
             raise ValueError(f"{source}: malformed 'seconds' ({err})") from None
         for bucket, row in seconds.items():
             bad = {s: t for s, t in row.items() if s < 0 or not t > 0}
             if bucket < 1 or bad:
                 raise ValueError(f"{source}: bucket {bucket} has invalid entries {bad or row}")
-        return cls(dict(data.get("signature", {})), seconds, dict(data.get("details", {})))
+        return cls(dict(data.get("signature", {})), seconds, dict(data.get("details", {})), tokens)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")

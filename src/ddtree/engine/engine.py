@@ -303,8 +303,9 @@ class Engine(OfflineGeneration):
     def _collect(self, flight: Flight) -> list[StepOutput]:
         """Commit what a launched round committed, for its requests still running."""
         result = flight.rows()  # the one wait for the device
+        start = time.perf_counter()
         seconds = flight.timer.seconds()
-        outputs, auto, slots = [], [], []
+        outputs, auto, slots, tokens = [], [], [], 0
         for request in flight.requests:
             if not self._live(request):
                 continue  # it ended (or was aborted) after this round was launched
@@ -312,6 +313,7 @@ class Engine(OfflineGeneration):
             accepted = row[0]
             request.prefix_len += accepted
             kept = request.commit(row[1 : 1 + accepted])
+            tokens += len(kept)
             experts = row[2 + self.max_depth : 2 + self.max_depth + self.moe_layers] if flight.plan.experts else None
             request.stats.add_round(len(kept), min(request.node_limit, flight.plan.budget), seconds, experts)
             if request.auto:
@@ -320,6 +322,8 @@ class Engine(OfflineGeneration):
             outputs.append(self._finish_or_stream(request, kept))
         if auto and self.sizer.forced is None:
             self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
+        if self.sizer is not None:
+            self.sizer.host.add(time.perf_counter() - start, tokens)
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> StepOutput:

@@ -68,6 +68,7 @@ class RequestForecast:
     predicted: float = 0.0
     decode_seconds: float = 0.0
     wait: float = 0.0
+    version: int = 0  # bumped whenever curve or scale change
 
 
 class AcceptanceForecast:
@@ -82,6 +83,7 @@ class AcceptanceForecast:
         self.smoothing, self.scale_decay, self.scale_shrink = smoothing, scale_decay, scale_shrink
         self.calibration = Calibration()
         self.pooled_curve: np.ndarray | None = None  # the prior of a request with no tree read yet
+        self.version = 0  # bumped by every observe (the pooled curve changes)
 
     def observe(self, forecasts: list[RequestForecast], path_fixed: np.ndarray, verified: int, accepted: np.ndarray,
                 accept_len: np.ndarray) -> None:
@@ -107,6 +109,8 @@ class AcceptanceForecast:
             forecast.predicted = d * forecast.predicted + predicted[i]
             forecast.curve = curves[i] if forecast.curve is None else s * forecast.curve + (1 - s) * curves[i]
             forecast.decode_seconds = 0.0
+            forecast.version += 1
+        self.version += 1
         mean = curves.mean(0)
         self.pooled_curve = mean if self.pooled_curve is None else 0.9 * self.pooled_curve + 0.1 * mean
         verified_nodes = np.arange(n)[None, :] < in_tree[:, None]

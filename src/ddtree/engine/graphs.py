@@ -53,8 +53,8 @@ def graph_key_limit(key_limit: int | None, capacity: int) -> int | None:
 class RoundGraphs:
     """Per-plan CUDA graphs of run_round over one engine's context and batch state."""
 
-    def __init__(self, ctx: RoundContext, state: BatchState, max_depth: int, max_graphs: int = 256):
-        """max_graphs: plans to keep graphs for; a new plan past it runs eagerly."""
+    def __init__(self, ctx: RoundContext, state: BatchState, max_depth: int, max_graphs: int = 1024):
+        """max_graphs: plans to keep graphs for; a new plan past it runs eagerly (logged once)."""
         if state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the engine on a CUDA device, got {state.device}")
         self.ctx, self.state, self.max_depth, self.max_graphs = ctx, state, max_depth, max_graphs
@@ -63,6 +63,7 @@ class RoundGraphs:
         self._seen: set[RoundPlan] = set()
         self._idle_timer = StageTimer(state.device, enabled=False)
         self.replays = 0
+        self.eager_rounds = 0  # a plan's first round, and every round of a plan past max_graphs
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -81,7 +82,10 @@ class RoundGraphs:
         entry = self._graphs.get(plan)
         if entry is None:
             if plan not in self._seen or len(self._graphs) >= self.max_graphs:
+                if plan in self._seen:
+                    log.warning("%d CUDA graphs held (max_graphs): %s runs eagerly", self.max_graphs, describe(plan))
                 self._seen.add(plan)
+                self.eager_rounds += 1
                 return run_round(self.ctx, self.state, plan, self.max_depth, timer)
             entry = self._capture(plan)
         graph, result = entry

@@ -72,8 +72,10 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
         for p in range(passes):
             for size in sizes if p % 2 == 0 else sizes[::-1]:
                 prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
-                seconds = _time_steps(engine, prompts, params, size, warmup, repeats)
-                row[size] = min(row.get(size, seconds), seconds)
+                seconds, tokens = _time_steps(engine, prompts, params, size, warmup, repeats)
+                if seconds < row.get(size, float("inf")):
+                    row[size] = seconds
+                    table.tokens.setdefault(bucket, {})[size] = tokens
                 bar.update(1)
     bar.close()
     log.info("measured round costs for batch buckets %s x tree sizes %s in %.1f s", buckets, list(sizes),
@@ -82,7 +84,8 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
 
 
 def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: int, warmup: int,
-                repeats: int) -> float:
+                repeats: int) -> tuple[float, float]:
+    """(median seconds of a step, tokens a timed step committed on average)."""
     ids = [engine.add_request(p, params, mode="ddtree", budget="auto", request_id=f"ddtree-profile-{i}")
            for i, p in enumerate(prompts)]
     sizer = engine.sizer
@@ -92,14 +95,15 @@ def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: 
         if engine.num_running != len(prompts):
             raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests fit in the KV cache "
                                f"(num_pages={engine.blocks.num_pages}) to measure a batch of {len(prompts)}")
-        times = []
+        times, tokens = [], []
         last = time.perf_counter()
         for _ in range(warmup + repeats):
-            engine.step()
+            outputs = engine.step()
             now = time.perf_counter()
             times.append(now - last)
+            tokens.append(sum(len(o.new_token_ids) for o in outputs))
             last = now
-        return statistics.median(times[warmup:])
+        return statistics.median(times[warmup:]), statistics.mean(tokens[warmup:])
     finally:
         sizer.forced = None
         for request_id in ids:

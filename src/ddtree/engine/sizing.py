@@ -7,6 +7,11 @@ request's expected tokens at each size (engine/forecast.py). A verify's padding 
 real rows cost (they are routed like any other row), so a request in a round of size n takes all
 n nodes. The choice is host arithmetic on values already read back: no new synchronization.
 
+A step's host work (committing, detokenizing, streaming) grows with the tokens it commits, and the
+table was measured on stand-ins that commit few: a candidate's cost is the table's plus the
+host's measured seconds per committed token (HostCost) times the tokens it would commit beyond
+what the stand-ins did.
+
 A request kept on plain steps learns nothing new about its drafter, so now and then it probes:
 once the plain steps it took since its last tree cost `wait` times what one probe round (the
 smallest tree) costs over a plain step, the round runs the smallest tree. Each probe doubles the
@@ -50,6 +55,21 @@ def tree_sizer(tree_sizes: tuple[int, ...], max_budget: int, max_depth: int, rou
     return TreeSizer(sizes, max_depth, round_costs)
 
 
+class HostCost:
+    """Host seconds per committed token, from the engine's collect of every round (decayed sums)."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay, self.seconds, self.tokens = decay, 0.0, 0.0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds = self.decay * self.seconds + seconds
+        self.tokens = self.decay * self.tokens + tokens
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
 class TreeSizer:
     """Chooses the size of each round that holds "auto" requests; learns from what rounds commit."""
 
@@ -61,10 +81,22 @@ class TreeSizer:
         if not tree_sizes or list(tree_sizes) != sorted(set(tree_sizes)) or tree_sizes[0] < 1:
             raise ValueError(f"tree_sizes must be distinct positive ints in ascending order, got {tree_sizes!r}")
         self.tree_sizes = tuple(tree_sizes)
-        self.costs, self.first_wait, self.max_wait = costs, first_wait, max_wait
+        self.first_wait, self.max_wait = first_wait, max_wait
+        self.costs = costs
         self.wait_prior = first_wait  # where a new request's wait starts: the latest wait set
         self.forecast = AcceptanceForecast(self.info_nodes, max_depth)
         self.forced: int | None = None  # a fixed size for every round (cost measurement)
+        self.host = HostCost()
+
+    @property
+    def costs(self) -> RoundCosts | None:
+        return self._costs
+
+    @costs.setter
+    def costs(self, table: RoundCosts | None) -> None:
+        self._costs = table
+        self._rows: dict = {}  # (bucket, floor) -> the candidates' costs, as looked up in the table
+        self._expected: tuple = (None, None)  # (key, batch's expected tokens per candidate)
 
     @property
     def info_nodes(self) -> int:
@@ -89,22 +121,23 @@ class TreeSizer:
             self.costs = table
         else:
             self.costs.merge(table)
+            self.costs = self.costs  # drop what was looked up in the table before
 
     def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int) -> int:
         """The round's size for `auto` requests (engine Requests with a .forecast) in a batch whose
         other requests need at least `floor` nodes and are expected to commit `fixed_tokens`."""
-        candidates = sorted({s for s in self.sizes if s >= floor} | {floor})
         if self.forced is not None:
             return max(self.forced, floor)
-        seconds = self._row(bucket, candidates)
+        candidates, seconds, stand_in_tokens = self._row(bucket, floor)
         smallest_tree = next(s for s in candidates if s > 0)
-        expected = self.forecast.expected_tokens([r.forecast for r in auto], candidates,
-                                                 [r.remaining_tokens() for r in auto])
+        expected = self._expected_tokens(auto, candidates)
         if seconds is None or expected is None:
             size = smallest_tree  # nothing measured or nothing known: the cheapest tree that teaches
         else:
-            tokens = fixed_tokens + expected.sum(0)
-            size = best_size(candidates, seconds, tokens.tolist())
+            tokens = fixed_tokens + expected
+            # the host's work on the tokens a step commits beyond what the stand-ins committed
+            seconds = np.maximum(seconds + (tokens - stand_in_tokens) * self.host.per_token, 0.5 * seconds)
+            size = best_size(candidates, seconds.tolist(), tokens.tolist())
             if size == 0:
                 size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
             elif floor == 0:
@@ -141,14 +174,37 @@ class TreeSizer:
             r.forecast.wait = self.wait_prior = min(2 * r.forecast.wait, self.max_wait)
         return probe_size if due else 0
 
-    def _row(self, bucket: int, sizes: list[int]) -> list[float] | None:
-        """Costs of `sizes` at `bucket`, from the nearest measured bucket (the next larger first)
-        when this one was not measured; None without a table."""
-        if self.costs is None or not self.costs.seconds:
-            return None
+    def _expected_tokens(self, auto: list, candidates: list[int]) -> np.ndarray | None:
+        """float64 [len(candidates)]: the requests' expected tokens per round summed, reused while
+        no forecast changed (most plain steps)."""
+        cap = self.forecast.max_depth + 2
+        key = (tuple(candidates), self.forecast.version,
+               tuple((id(r.forecast), r.forecast.version, min(r.remaining_tokens(), cap)) for r in auto))
+        if self._expected[0] != key:
+            expected = self.forecast.expected_tokens([r.forecast for r in auto], candidates,
+                                                     [r.remaining_tokens() for r in auto])
+            self._expected = (key, None if expected is None else expected.sum(0))
+        return self._expected[1]
+
+    def _measured_bucket(self, bucket: int) -> int:
+        """`bucket`, or the nearest measured one (the next larger first)."""
         measured = self.costs.buckets()
-        use = bucket if bucket in measured else min((b for b in measured if b > bucket), default=max(measured))
-        try:
-            return [self.costs.cost(use, s) for s in sizes]
-        except KeyError:
-            return None
+        return bucket if bucket in measured else min((b for b in measured if b > bucket), default=max(measured))
+
+    def _row(self, bucket: int, floor: int) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+        """(the sizes a round may take above `floor`, their seconds at `bucket` and the tokens the
+        stand-ins committed), from the nearest measured bucket (the next larger first) when this
+        one was not measured; no seconds without a table."""
+        key = (bucket, floor)
+        if key not in self._rows:
+            candidates = sorted({s for s in self.sizes if s >= floor} | {floor})
+            seconds = tokens = None
+            if self.costs is not None and self.costs.seconds:
+                use = self._measured_bucket(bucket)
+                try:
+                    seconds = np.array([self.costs.cost(use, s) for s in candidates])
+                    tokens = np.array([self.costs.tokens_per_step(use, s) for s in candidates])
+                except KeyError:
+                    pass
+            self._rows[key] = (candidates, seconds, tokens)
+        return self._rows[key]

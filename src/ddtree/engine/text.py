@@ -1,7 +1,12 @@
 """Incremental text of a request: decoded as tokens commit, stop strings found, deltas streamed.
 
-A delta never ends inside a multi-byte character (a trailing U+FFFD waits for the next token) or
-with text that could be the start of a stop string; the final delta flushes what is left.
+Each token is decoded with a short window of the tokens before it (a prefix, as vLLM's incremental
+detokenizer does), not the whole output again: a token costs the same at position 10 or 10,000.
+The new text is what decoding prefix + new tokens adds to decoding the prefix alone, so a
+tokenizer that merges across token boundaries (leading spaces, multi-byte characters split over
+tokens) gives the text a full decode gives. A token that ends inside a multi-byte character adds
+nothing until the character completes. A delta never ends with text that could be the start of a
+stop string; the final delta flushes what is left.
 """
 
 from __future__ import annotations
@@ -14,25 +19,41 @@ class TextStream:
         self.tokens: list[int] = []
         self.text = ""
         self._sent = 0
+        self._prefix = 0  # tokens[_prefix:_read] is the window decoded before the new tokens
+        self._read = 0
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def add(self, token: int) -> bool:
         """Append one committed token; True when the text now contains a stop string (the text
         is then cut before its first occurrence)."""
         self.tokens.append(token)
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        before = self._decode(self.tokens[self._prefix : self._read])
+        after = self._decode(self.tokens[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return False  # nothing printable yet (a special token, or half a character)
+        start = len(self.text)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.tokens)
+        return self._cut_at_stop(start)
+
+    def _cut_at_stop(self, start: int) -> bool:
+        """Cut the text before the first stop string; only text from `start` on is new, so a stop
+        string found now ends there."""
+        hits = []
+        for s in self.stop:
+            i = self.text.find(s, max(0, start - len(s) + 1))
+            if i >= 0:
+                hits.append(i)
         if hits:
             self.text = self.text[: min(hits)]
             return True
         return False
 
     def _held_back(self) -> int:
-        """Characters at the end that may still change: an incomplete character, or a proper
-        prefix of a stop string."""
-        text = self.text
-        if text.endswith("\ufffd"):
-            return len(text) - len(text.rstrip("\ufffd"))
-        longest = 0
+        """Characters at the end that may still change: a proper prefix of a stop string."""
+        text, longest = self.text, 0
         for s in self.stop:
             for n in range(min(len(s) - 1, len(text)), longest, -1):
                 if text.endswith(s[:n]):
@@ -41,7 +62,12 @@ class TextStream:
         return longest
 
     def delta(self, final: bool = False) -> str:
-        """Text not streamed yet (all of it when final)."""
+        """Text not streamed yet (all of it when final, an unfinished character included)."""
+        if final and self._read < len(self.tokens):
+            tail = self._decode(self.tokens[self._prefix :])[len(self._decode(self.tokens[self._prefix : self._read])) :]
+            self.text += tail
+            self._prefix = self._read = len(self.tokens)
+            self._cut_at_stop(len(self.text) - len(tail))
         end = len(self.text) if final else max(self._sent, len(self.text) - self._held_back())
         out = self.text[self._sent : end]
         self._sent = end

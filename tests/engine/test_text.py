@@ -1,0 +1,55 @@
+"""TextStream: decoding a window per token gives the text a full decode gives (multi-byte
+characters split over tokens, random token soup included), stop strings cut it wherever they
+span tokens, and the streamed deltas add up to the final text."""
+
+import random
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from ddtree.demo import demo_pair  # noqa: E402
+from ddtree.engine.loading import load_tokenizer  # noqa: E402
+from ddtree.engine.text import TextStream  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(demo_pair()[0])
+
+
+def stream(tokenizer, ids, stop=()):
+    text, deltas = TextStream(tokenizer, stop), []
+    for i, token in enumerate(ids):
+        hit = text.add(token)
+        deltas.append(text.delta(final=hit or i == len(ids) - 1))
+        if hit:
+            break
+    return text, "".join(deltas)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_windowed_decode_equals_a_full_decode(tokenizer, seed):
+    rng = random.Random(seed)
+    source = ["def f(x):\n    return x * 2  # ✓ café 日本語 🎉", "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(80))]
+    ids = tokenizer(source[seed % 2])["input_ids"] if seed < 4 else [rng.randrange(tokenizer.vocab_size) for _ in range(200)]
+    text, streamed = stream(tokenizer, ids)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text.text == full and streamed == full
+
+
+def test_stop_strings_cut_across_tokens_and_are_never_streamed(tokenizer):
+    ids = tokenizer("value = compute(alpha, beta) + 1\nprint(value)")["input_ids"]
+    for stop in ("(alpha, b", "\npr", "+ 1"):
+        text, streamed = stream(tokenizer, ids, (stop,))
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert text.text == full[: full.index(stop)] == streamed
+
+
+def test_an_unfinished_character_waits_then_flushes(tokenizer):
+    ids = tokenizer("🎉")["input_ids"]
+    assert len(ids) > 1  # the emoji's bytes span tokens
+    text = TextStream(tokenizer)
+    text.add(ids[0])
+    assert text.delta() == "" and text.text == ""
+    assert text.delta(final=True) == tokenizer.decode(ids[:1])  # the replacement character, at the end

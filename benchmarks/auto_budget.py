@@ -11,12 +11,14 @@ Real-size pairs (benchmarks/configs/) are round_setup's successor targets with a
 drafter wrapped in replay_drafter.ReplayDrafter: the demo pair's recorded rounds replayed on the
 target's greedy continuation. --wrong adds `auto` with a drafter that is always wrong.
 
-Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up. Every
-configuration runs twice on the same prompts: a warm-up pass (kernels compiled, graphs captured,
-and auto's forecast learned, as in a server that has been up a while), then the timed pass.
-tokens/s: generated tokens over the wall time of the pass; decode tokens/s leaves out the first
-token and the wall time of the same prompts at max_new_tokens = 1 (their prefill). The bars use
-decode tokens/s. `ar` runs first and again last: the two show the run-to-run spread.
+Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up. The
+prompts run in groups of B, one generate call per group, so every configuration admits (and
+prefills) them the same way. Every configuration runs a warm-up pass of the same groups at 32
+new tokens (kernels compiled, graphs captured, auto's forecast learned, as in a server that has
+been up a while), then the timed pass. tokens/s: generated tokens over the wall time of the pass;
+decode tokens/s leaves out the first token and the wall time of the same groups at
+max_new_tokens = 1 (their prefill). The bars use decode tokens/s. `ar` runs first and again
+last: the two show the run-to-run spread.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Workload:
 
 
 def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | None, prefill_s: float) -> dict:
-    work.run(mode, budget)  # warm-up pass
+    work.run(mode, budget, new=min(work.new, 32))  # warm-up pass
     graphs = work.engine.graphs
     eager = graphs.eager_rounds if graphs is not None else None
     seconds, outs = work.run(mode, budget)
@@ -134,7 +136,9 @@ def demo_workloads(args, device):
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     for batch in args.batches:
         engine = Engine.from_pretrained(device=device, max_batch=batch, max_budget=max(args.budgets))
-        yield batch, engine, Workload(engine, [prompts[: PROMPTS_PER_BATCH.get(batch, 4 * batch)]], args.new)
+        chosen = prompts[: PROMPTS_PER_BATCH.get(batch, 4 * batch)]
+        groups = [chosen[i : i + batch] for i in range(0, len(chosen), batch)]
+        yield batch, engine, Workload(engine, groups, args.new)
 
 
 def replay_workloads(args, device):

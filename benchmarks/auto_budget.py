@@ -181,6 +181,7 @@ def main() -> None:
     if args.combine:
         print(combine(args.combine, args.out_dir).read_text())
         return
+    env = environment()  # at the start: the commit of the code that runs
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":  # denormal floats slow some CPU steps of the random models twofold, at random
         torch.set_flush_denormal(True)
@@ -189,7 +190,7 @@ def main() -> None:
     for batch, engine, work in workloads:
         rows += run_batch(engine, work, batch, args.budgets, args.wrong)
     name = args.pair + (f"-{args.layers}l" if args.layers else "")
-    payload = {"environment": environment(), "pair": name, "device": str(device), "new_tokens": args.new,
+    payload = {"environment": env, "pair": name, "device": str(device), "new_tokens": args.new,
                "batches": args.batches, "budgets": args.budgets, "rows": rows,
                "pair_info": getattr(args, "pair_info", None), "prefix": None if args.pair == "demo" else args.prefix}
     payload["bars"] = bars(rows, replay=args.pair != "demo")

@@ -83,8 +83,13 @@ class ReplayDrafter:
         # Rank i holds token truth - rank + i (mod V): the truth at its rank, and ids rising with
         # the rank, so equal recorded log-probs (ties break by token id) keep the recorded order.
         # Without a rank (not in the top K, or unknown) the ranks hold truth + 1 + i.
+        # Where the truth is unknown (the engine's cost stand-ins, past a continuation's end), the
+        # ranks start at a token hashed from slot, length and depth: trees of distinct tokens that
+        # route over the experts as a real drafter's do, not the same few ids in every slot.
+        seed = (slots * 1_000_003 + cache.lengths.long() * _MIX + self.seed)[:, None] + steps * 7_919
+        anchor = torch.where(truth >= 0, truth, (seed & ((1 << 62) - 1)) % vocab)
         offsets = torch.arange(k, device=logits.device)
-        first = truth.clamp_min(0) - torch.where(ranks >= 0, ranks, -1)
+        first = anchor - torch.where(ranks >= 0, ranks, -1)
         tokens = (first[..., None] + offsets) % vocab  # [B, D, K]
         replayed = self.rest_logprob[pick][..., None].expand(b, depth, vocab).clone()
         return replayed.scatter_(2, tokens, lp)

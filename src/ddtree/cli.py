@@ -53,7 +53,7 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=_positive(int), default=None, help="KV cache pages (default: sized from memory)")
     p.add_argument("--page-size", type=_positive(int), default=64)
     p.add_argument("--max-budget", type=_positive(int), default=256,
-                   help="the largest tree budget a request may ask (and the largest size auto may take)")
+                   help="the largest tree budget a request may ask (auto's sizes, 1 to 64, stay within it)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
@@ -187,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mode = getattr(args, "mode", "ddtree")  # profile has none: it needs the drafter
     if args.target is not None and mode != "ar" and args.drafter is None:
-        need = "a drafter" if args.command == "profile" else f"--mode {mode}"
-        sys.stderr.write(f"ddtree {args.command}: error: {need} needs --drafter DIR (or use --mode ar)\n")
+        if args.command == "profile":
+            sys.stderr.write("ddtree profile: error: profiling measures tree rounds: name --drafter DIR with --target\n")
+        else:
+            sys.stderr.write(f"ddtree {args.command}: error: --mode {mode} needs --drafter DIR (or use --mode ar)\n")
         return 2
     try:
         if args.command == "generate":

@@ -153,3 +153,71 @@ def test_plain_steps_keep_the_drafter_context_of_every_token(models):
     for got, want in zip(mixed.state.drafter.keys + mixed.state.drafter.values,
                          trees.state.drafter.keys + trees.state.drafter.values):
         torch.testing.assert_close(got[0, :n], want[0, :n], rtol=1e-4, atol=1e-5)
+
+
+def test_a_fixed_budget_above_the_largest_size_beside_auto(models):
+    """A budget-128 request in the batch builds trees past 64 nodes: the forecast still reads the
+    64 path columns and the accepted nodes where they are (the drafter right for 4 positions)."""
+    engine, batch, want = _oracle_engine(models, 4, tree_cost=1.5)
+    engine.max_budget = 128
+    outs = engine.generate(batch, max_new_tokens=60, budget=[128, "auto"])
+    assert [o.token_ids for o in outs] == want
+    cal = engine.sizer.forecast.calibration
+    assert cal.accepted.sum() > 0.5 * outs[1].stats.rounds  # the accepted paths were read as such
+    assert outs[1].stats.tree_sizes[2:] == [64] * (outs[1].stats.rounds - 2)  # the fixed request's 128 shape
+
+
+def test_round_costs_measure_what_fits_and_never_block_fixed_budgets(models):
+    target, drafter_dir = models
+    short = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=4, max_model_len=60)
+    batch = prompts(2, 12, seed=1, lengths=(3, 6))
+    want = [o.token_ids for o in short.generate(batch, max_new_tokens=8, mode="ar")]
+    assert [o.token_ids for o in short.generate(batch, max_new_tokens=8)] == want  # stand-ins shrunk to fit
+    few_pages = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=4, max_model_len=256,
+                       num_pages=40)
+    batch = prompts(4, 12, seed=2, lengths=(3, 6))
+    want = [o.token_ids for o in few_pages.generate(batch, max_new_tokens=8, mode="ar")]
+    assert [o.token_ids for o in few_pages.generate(batch, max_new_tokens=8)] == want
+    assert few_pages.sizer.costs.buckets() == [1] and few_pages.sizer.skipped == {2, 4}
+    assert few_pages.blocks.num_free == 40 and not few_pages.has_unfinished()
+    assert few_pages.sizer.unmeasured([1, 2, 4]) == []  # no second try at what cannot fit
+    tiny = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=2, num_pages=9)  # 72 slots
+    assert [len(o.token_ids) for o in tiny.generate([[1, 2]], max_new_tokens=2)] == [2]  # no table: smallest tree
+    assert "cannot hold one stand-in" in tiny.sizer.failure
+
+
+def test_the_drafter_context_has_room_for_set_aside_rows_at_the_end(tmp_path):
+    """A short context, a small prefill chunk and a small block: plain steps and trees in turn
+    up to max_model_len never write past the drafter's cache."""
+    target_dir, drafter_dir, _ = make_pair(tmp_path, vocab=96, block_size=5)
+    target = load_target(target_dir, dtype=torch.float32)
+    engine = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=2, max_model_len=40,
+                    prefill_chunk=2, overlap=False)
+    engine.sizer.costs = RoundCosts(engine.signature, {})
+    from ddtree import SamplingParams
+
+    engine.add_request(prompts(1, 96, seed=1, lengths=(3, 4))[0], SamplingParams(max_new_tokens=36))
+    steps = 0
+    while engine.has_unfinished():
+        engine.sizer.forced = steps % 2
+        engine.step()
+        steps += 1
+    assert steps > 20
+
+
+def test_generate_leaves_nothing_behind_when_a_step_fails(models, monkeypatch):
+    engine = engine_with(models, tree_cost=2.0)
+    real, calls = engine.step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real()
+
+    monkeypatch.setattr(engine, "step", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(prompts(3, 12, seed=4), max_new_tokens=20)
+    assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_pages
+    monkeypatch.setattr(engine, "step", real)
+    assert len(engine.generate(prompts(1, 12, seed=5), max_new_tokens=4)[0].token_ids) == 4

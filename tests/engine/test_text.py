@@ -53,3 +53,11 @@ def test_an_unfinished_character_waits_then_flushes(tokenizer):
     text.add(ids[0])
     assert text.delta() == "" and text.text == ""
     assert text.delta(final=True) == tokenizer.decode(ids[:1])  # the replacement character, at the end
+
+
+def test_a_stop_string_before_half_a_character_ends_the_text_at_once(tokenizer):
+    ids = tokenizer("x = 1 …")["input_ids"]  # ' \xe2' is one token: a space and the first byte of '…'
+    text = TextStream(tokenizer, ("1 ",))
+    first = next(i for i, t in enumerate(ids) if text.add(t))  # a request stops at its hit
+    assert tokenizer.decode(ids[: first + 1]).endswith("\ufffd")  # the hit came with half the '…'
+    assert text.text == "x = " and text.delta(final=True) == "x = "

@@ -1,11 +1,13 @@
 """`ddtree serve` from the command line: a real server process on a free loopback port, and
 one-line errors (the demo pair missing, a drafter without its target)."""
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -48,6 +50,77 @@ def test_serve_runs_a_server_until_interrupted(pairs):
             proc.wait(10)
     assert proc.returncode == 0
     assert f"http://127.0.0.1:{port}/v1" in proc.stderr.read()
+
+
+def _serve(pairs, *extra) -> tuple[subprocess.Popen, str]:
+    """A `ddtree serve` process on a free port, once its /health answers; (process, base url)."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
+            str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "512",
+            "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(argv, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+            return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no /health in 120 s: {proc.stderr.read()}")
+
+
+def _stream_in_thread(url: str, max_tokens: int) -> tuple[threading.Thread, list, threading.Event]:
+    """A streamed greedy ar request of exactly max_tokens tokens; (thread, its events, set at the first one)."""
+    events, started = [], threading.Event()
+
+    def run():
+        body = {"prompt": "ab", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "ddtree": {"mode": "ar"}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, events, started
+
+
+@pytest.mark.parametrize("drain,completes", [("30", True), ("0.2", False)])
+def test_sigterm_drains_then_exits_zero(pairs, drain, completes):
+    """SIGTERM: new requests get 503 and /health says draining while the running stream goes on;
+    it finishes within the drain, or past it gets an error event; the process exits 0, quietly."""
+    proc, url = _serve(pairs, "--drain-seconds", drain)
+    try:
+        thread, events, started = _stream_in_thread(url, 480)
+        assert started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while completes and time.monotonic() < deadline:  # (a short drain may end before a first look)
+            health = httpx.get(f"{url}/health", timeout=5)
+            if health.status_code == 503:
+                break
+            time.sleep(0.02)
+        if completes:
+            assert health.json()["status"] == "draining"
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        thread.join(120)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert "Traceback" not in err, err
+    assert events[-1] == "[DONE]"
+    if completes:
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(e["choices"][0]["text"]) for e in events[:-1]) > 0
+    else:
+        assert events[-2]["error"]["code"] == "shutting_down"
 
 
 def test_serve_without_the_demo_pair_is_one_line(monkeypatch, tmp_path, capsys):

@@ -17,8 +17,10 @@ import torch
 FORMAT = "ddtree.round_costs/1"
 
 
-def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool) -> dict:
-    """What a cost table depends on: the two models' shapes, their dtype, the device, graphs on or off."""
+def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool, page_size: int = 64,
+                   overlap: bool = True) -> dict:
+    """What a cost table depends on: the two models' shapes, their dtype, the device, graphs on or
+    off, the cache's page size and whether steps overlap the host's work with the device's."""
     cfg = target.cfg
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -26,6 +28,8 @@ def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool) -> 
         "device": name,
         "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
         "cuda_graphs": bool(cuda_graphs),
+        "page_size": page_size,
+        "overlap": bool(overlap),
         "target": {key: getattr(cfg, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size",
                                                       "n_routed_experts", "num_experts_per_tok", "kv_lora_rank")},
     }

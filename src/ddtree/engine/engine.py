@@ -11,6 +11,7 @@ device.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from ..models import Drafter, Target
 from ..tree.types import MAX_TRITON_BUDGET
-from .batch import BatchState, SlotSettings
+from .batch import PENDING_ROWS, BatchState, SlotSettings
 from .costs import RoundCosts, pair_signature
 from .generate import OfflineGeneration
 from .graphs import RoundGraphs, graphs_wanted
@@ -34,6 +35,8 @@ from .sampling import SamplingParams
 from .scheduling import batch_requests, generation_params
 from .sizing import DEFAULT_TREE_SIZES, tree_sizer
 from .timing import StageTimer
+
+log = logging.getLogger("ddtree.engine")
 
 
 class Engine(OfflineGeneration):
@@ -83,7 +86,7 @@ class Engine(OfflineGeneration):
         self.caches = target.new_cache(num_pages, page_size)
         # A request's last round may commit D tokens past max_model_len - 1, and with overlap the
         # round after it still drafts a block there before the host has seen it finish.
-        capacity = self.max_model_len + max(prefill_chunk, 2 * (self.max_depth + 1))
+        capacity = self.max_model_len + max(prefill_chunk, 2 * (self.max_depth + 1), self.max_depth + 1 + PENDING_ROWS)
         self.state = BatchState(max_batch, width, self.device, drafter, capacity)
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.ctx = RoundContext(target, drafter, self.caches, page_size, num_pages,
@@ -95,7 +98,7 @@ class Engine(OfflineGeneration):
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
         use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
-        self.signature = pair_signature(target, drafter, self.device, use)
+        self.signature = pair_signature(target, drafter, self.device, use, page_size, overlap)
         self.sizer = tree_sizer(tree_sizes, max_budget, self.max_depth, round_costs, self.signature) if drafter else None
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
@@ -128,10 +131,19 @@ class Engine(OfflineGeneration):
         if missing:
             queued, self._waiting = self._waiting, deque()
             try:
-                self.sizer.add_costs(measure_round_costs(self, missing, **options))
+                table = measure_round_costs(self, missing, **options)
             finally:
-                self._waiting.extend(queued)
+                self._waiting.extendleft(reversed(queued))
+            self.sizer.add_costs(table, missing)
         return self.sizer.costs
+
+    def _measure_or_degrade(self) -> None:
+        try:
+            self.measure_round_costs(len(self._waiting))
+        except (ValueError, RuntimeError) as err:  # a cache too small for the stand-ins, say
+            self.sizer.failure = str(err)
+            log.warning("round costs could not be measured (%s); budget auto takes the smallest tree until a "
+                        "table is given (Engine(round_costs=...), ddtree profile)", err)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -236,9 +248,9 @@ class Engine(OfflineGeneration):
         ones included: every active slot of the batch takes part). Returns, per request, what it
         committed since the last step: with overlap, the round launched by the previous step (read
         while this step's round runs), else this step's. Finished requests have left the batch."""
-        if self.sizer is not None and self.sizer.forced is None and not self._running \
-                and any(r.auto for r in self._waiting):  # measure before the first "auto" round of these batches
-            self.measure_round_costs(len(self._waiting))
+        if self.sizer is not None and self.sizer.forced is None and self.sizer.failure is None \
+                and not self._running and any(r.auto for r in self._waiting):
+            self._measure_or_degrade()  # before the first "auto" round of these batches
         outputs = {out.request_id: out for out in self._admit()}
         launched = self._launch([r for _, r in sorted(self._running.items())]) if self._running else None
         ready, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)

@@ -32,12 +32,20 @@ class OfflineGeneration:
             raise
         bar = _progress(len(ids)) if progress else None
         pending = set(ids)
-        while pending:
-            for out in self.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
+        try:
+            while pending:
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:  # nothing of this call stays queued or running after it failed
+                try:
+                    self.abort(request_id)
+                except KeyError:
+                    pass
+            raise
         if bar is not None:
             bar.close()
         return [self.take_result(request_id) for request_id in ids]

@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import uuid
 
 import torch
 
 from .costs import RoundCosts
+from .pages import pages_for
 from .sampling import SamplingParams
 
 log = logging.getLogger("ddtree.engine")
@@ -52,12 +54,15 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     if warmup < 3 or repeats < 1 or passes < 1:
         raise ValueError(f"need warmup >= 3 (compile, capture, first replay), repeats >= 1 and passes >= 1, "
                          f"got {warmup}, {repeats}, {passes}")
-    prefix = prefix or max(1, min(256, engine.max_model_len // 4))
-    steps = warmup + repeats
-    new_tokens = (steps + 2) * (engine.max_depth + 1) + 1  # more than the steps can commit
-    if prefix + new_tokens > engine.max_model_len:
-        raise ValueError(f"max_model_len={engine.max_model_len} is too short to measure round costs "
-                         f"(prompt {prefix} + {new_tokens} tokens)")
+    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, warmup + repeats)
+    if fit < 1:
+        raise ValueError(f"the KV cache (num_pages={engine.blocks.num_pages} of {engine.page_size} slots) cannot hold "
+                         f"one stand-in request to measure round costs ({prefix} + {new_tokens} tokens)")
+    skipped = [b for b in buckets if b > fit]
+    if skipped:
+        log.warning("round costs: the KV cache holds %d stand-in requests at once; batch buckets %s are left "
+                    "unmeasured (their rounds use bucket %d's costs)", fit, skipped, max(b for b in buckets if b <= fit))
+    buckets = [b for b in buckets if b <= fit]
     sizes = engine.sizer.sizes
     table = RoundCosts(engine.signature, details={"prefix": prefix, "warmup": warmup, "repeats": repeats,
                                                    "passes": passes, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -83,14 +88,28 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     return table
 
 
+def stand_in_geometry(engine, prefix: int | None, steps: int) -> tuple[int, int, int]:
+    """(prompt tokens, new tokens, stand-ins the KV cache holds at once) for a measurement of
+    `steps` steps: new tokens for more than the steps can commit (or what max_model_len leaves),
+    the prompt shrunk to fit beside them."""
+    room = engine.max_model_len
+    new_tokens = max(1, min((steps + 2) * (engine.max_depth + 1) + 1, room - 1))
+    prefix = max(1, min(prefix or 256, max(1, room // 4), room - new_tokens))
+    per = pages_for(prefix + new_tokens + engine.sizer.info_nodes, engine.page_size)
+    blocks = engine.blocks
+    fit = 0 if per > blocks.table.shape[1] else min(engine.max_batch, blocks.num_pages // per)
+    return prefix, new_tokens, fit
+
+
 def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: int, warmup: int,
                 repeats: int) -> tuple[float, float]:
     """(median seconds of a step, tokens a timed step committed on average)."""
-    ids = [engine.add_request(p, params, mode="ddtree", budget="auto", request_id=f"ddtree-profile-{i}")
-           for i, p in enumerate(prompts)]
-    sizer = engine.sizer
+    sizer, ids = engine.sizer, []
     sizer.forced = size
     try:
+        for p in prompts:  # ids no user request can hold
+            ids.append(engine.add_request(p, params, mode="ddtree", budget="auto",
+                                          request_id=f"ddtree-stand-in-{uuid.uuid4().hex}"))
         engine.step()  # admit and prefill them all, launch the first round
         if engine.num_running != len(prompts):
             raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests fit in the KV cache "

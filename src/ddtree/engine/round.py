@@ -155,7 +155,8 @@ def _tree_round(ctx, state, plan, max_depth, timer):
         lp = lp.masked_fill(state.chain[s, None, None] & (ranks > 0), float("-inf"))
     timer.mark("topk")
     trees = build_trees(lp, tok, max(plan.budget, plan.info_nodes))
-    info = path_logprobs(trees, lp, tok) if plan.info_nodes else None
+    # exactly info_nodes columns, whatever budget a fixed request in the batch asked for
+    info = path_logprobs(first_nodes(trees, plan.info_nodes), lp, tok) if plan.info_nodes else None
     # A request with a smaller budget keeps the first node_limit nodes: pop order does not depend
     # on the budget, so they are exactly its own best-first tree.
     trees = first_nodes(trees, plan.budget)

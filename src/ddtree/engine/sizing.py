@@ -87,6 +87,8 @@ class TreeSizer:
         self.forecast = AcceptanceForecast(self.info_nodes, max_depth)
         self.forced: int | None = None  # a fixed size for every round (cost measurement)
         self.host = HostCost()
+        self.skipped: set[int] = set()  # buckets the KV cache could not measure (nearest measured one used)
+        self.failure: str | None = None  # why no measurement could run (then: the smallest tree)
 
     @property
     def costs(self) -> RoundCosts | None:
@@ -113,10 +115,12 @@ class TreeSizer:
         self.forecast = AcceptanceForecast(self.info_nodes, self.forecast.max_depth)
 
     def unmeasured(self, buckets: list[int]) -> list[int]:
-        """The buckets of `buckets` the cost table lacks a size of."""
-        return [b for b in buckets if self.costs is None or not self.costs.has(b, self.sizes)]
+        """The buckets of `buckets` the cost table lacks a size of (and that could be measured)."""
+        return [b for b in buckets if b not in self.skipped and (self.costs is None or not self.costs.has(b, self.sizes))]
 
-    def add_costs(self, table: RoundCosts) -> None:
+    def add_costs(self, table: RoundCosts, asked: list[int] = ()) -> None:
+        """Take a measured table; buckets asked for and not in it could not be measured."""
+        self.skipped.update(b for b in asked if b not in table.seconds)
         if self.costs is None:
             self.costs = table
         else:
@@ -162,14 +166,15 @@ class TreeSizer:
         depth, n = self.forecast.max_depth, plan.info_nodes
         start = 2 + depth + (moe_layers if plan.experts else 0)
         self.forecast.observe([r.forecast for r, t in zip(requests, took_part) if t], rows[:, start : start + n],
-                              plan.budget, rows[:, start + n : start + n + depth + 1], rows[:, 0])
+                              min(plan.budget, n), rows[:, start + n : start + n + depth + 1], rows[:, 0])
 
     def _probe_or_decode(self, auto: list, decode: float, probe: float, probe_size: int) -> int:
         for r in auto:
             r.forecast.decode_seconds += decode
         for r in auto:
             r.forecast.wait = r.forecast.wait or self.wait_prior
-        due = [r for r in auto if r.forecast.decode_seconds >= r.forecast.wait * (probe - decode)]
+        due = [r for r in auto if r.forecast.decode_seconds >= r.forecast.wait * (probe - decode)
+               and r.remaining_tokens() > 1]  # a request about to end learns nothing it can use
         for r in due:
             r.forecast.wait = self.wait_prior = min(2 * r.forecast.wait, self.max_wait)
         return probe_size if due else 0

@@ -21,6 +21,7 @@ class TextStream:
         self._sent = 0
         self._prefix = 0  # tokens[_prefix:_read] is the window decoded before the new tokens
         self._read = 0
+        self._stopped = False  # a stop string ended the text: nothing after it is decoded
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -32,24 +33,25 @@ class TextStream:
         before = self._decode(self.tokens[self._prefix : self._read])
         after = self._decode(self.tokens[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
-            return False  # nothing printable yet (a special token, or half a character)
+            # nothing printable yet (a special token, or half a character): but what is complete
+            # before the half character may already finish a stop string
+            complete = after[len(before) :].rstrip("\ufffd")
+            cut = first_stop(self.text + complete, len(self.text), self.stop) if complete else None
+            if cut is None:
+                return False
+            self.text, self._stopped = (self.text + complete)[:cut], True
+            return True
         start = len(self.text)
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self.tokens)
         return self._cut_at_stop(start)
 
     def _cut_at_stop(self, start: int) -> bool:
-        """Cut the text before the first stop string; only text from `start` on is new, so a stop
-        string found now ends there."""
-        hits = []
-        for s in self.stop:
-            i = self.text.find(s, max(0, start - len(s) + 1))
-            if i >= 0:
-                hits.append(i)
-        if hits:
-            self.text = self.text[: min(hits)]
-            return True
-        return False
+        """Cut the text before the first stop string ending at or after `start`; True if cut."""
+        cut = first_stop(self.text, start, self.stop)
+        if cut is not None:
+            self.text, self._stopped = self.text[:cut], True
+        return cut is not None
 
     def _held_back(self) -> int:
         """Characters at the end that may still change: a proper prefix of a stop string."""
@@ -63,7 +65,7 @@ class TextStream:
 
     def delta(self, final: bool = False) -> str:
         """Text not streamed yet (all of it when final, an unfinished character included)."""
-        if final and self._read < len(self.tokens):
+        if final and self._read < len(self.tokens) and not self._stopped:
             tail = self._decode(self.tokens[self._prefix :])[len(self._decode(self.tokens[self._prefix : self._read])) :]
             self.text += tail
             self._prefix = self._read = len(self.tokens)
@@ -72,3 +74,10 @@ class TextStream:
         out = self.text[self._sent : end]
         self._sent = end
         return out
+
+
+def first_stop(text: str, start: int, stops: tuple[str, ...]) -> int | None:
+    """Where the first stop string in `text` begins, among those that end at or after `start`
+    (the text before `start` was searched already); None if there is none."""
+    hits = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
+    return min(hits) if hits else None

@@ -21,9 +21,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from .auth import KeyCheck, KeyGate
 from .errors import APIError, internal_error, read_json, validation_error
 from .handler import generate
 from .jobs import Job
+from .limits import Limits
 from .metrics import Metrics
 from .prompts import has_chat_template
 from .protocol import ChatCompletionRequest, CompletionRequest, DDTreeOptions
@@ -38,7 +40,9 @@ class ServerConfig:
     """model_name: the id clients name in `model`; default_mode / default_budget: for requests
     without `ddtree` extras; max_queue: accepted requests waiting for a slot before 503;
     max_body_bytes: request bodies over this are refused (413); metadata: shown by /health and
-    /v1/models (device, GPU name, versions)."""
+    /v1/models (device, GPU name, versions); api_keys: when any, /v1/* needs one as a bearer token
+    (and /metrics too with metrics_need_key); limits: what one request may ask and how long it may
+    take (limits.py)."""
 
     model_name: str = "ddtree"
     default_mode: str = "ddtree"
@@ -47,6 +51,9 @@ class ServerConfig:
     max_body_bytes: int = 2 << 20
     retry_after_s: int = 1
     metadata: dict = field(default_factory=dict)
+    api_keys: tuple[str, ...] = ()
+    metrics_need_key: bool = False
+    limits: Limits = field(default_factory=Limits)
 
 
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
@@ -58,8 +65,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= engine.max_budget):
         raise ValueError(f'default budget must be "auto" or an int in [1, {engine.max_budget}], got {budget!r}')
     metrics = Metrics()
+    scheduler = Scheduler(engine, metrics, max_queue=config.max_queue, limits=config.limits)
     state = SimpleNamespace(
-        config=config, metrics=metrics, scheduler=Scheduler(engine, metrics, max_queue=config.max_queue),
+        config=config, metrics=metrics, scheduler=scheduler, streams=0,
         has_drafter=engine.drafter is not None, max_budget=engine.max_budget, max_model_len=engine.max_model_len,
         chat_template=has_chat_template(engine.tokenizer), created=int(time.time()))
 
@@ -74,6 +82,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="ddtree", summary="OpenAI-compatible DDTree speculative decoding server",
                   lifespan=lifespan)
     app.state.ddtree = state
+    app.add_middleware(KeyGate, check=KeyCheck(config.api_keys),
+                       guarded=lambda path: path.startswith("/v1/") or (config.metrics_need_key and path == "/metrics"),
+                       on_refused=lambda path: metrics.requests.labels(path, "401").inc())
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request, exc: HTTPException):  # 404 unknown route, 405 wrong method
@@ -106,9 +117,9 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = state.scheduler.alive
-        body = {"status": "ok" if ok else "unavailable", "model": config.model_name, **state.scheduler.snapshot,
-                **_info(state)}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        status = "draining" if state.scheduler.draining else "ok" if ok else "unavailable"
+        body = {"status": status, "model": config.model_name, **state.scheduler.snapshot, **_info(state)}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -130,7 +141,8 @@ async def _serve(request: Request, state, kind: str, model):
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     try:
         try:
-            body = model.model_validate(await read_json(request, state.config.max_body_bytes))
+            raw = await read_json(request, state.config.max_body_bytes, state.config.limits.body_timeout_s)
+            body = model.model_validate(raw)
         except ValidationError as err:
             raise validation_error(err) from None
         job = _job(state, request_id, kind, body)
@@ -171,7 +183,9 @@ def _job(state, request_id: str, kind: str, body) -> Job:
                            "tokenizer_config.json): use /v1/completions", param="messages",
                            code="chat_template_missing")
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return Job(request_id, None, [m.as_dict() for m in body.messages], body.limit(), sampling, mode, budget,
+        max_tokens = config.limits.max_tokens_for(body.limit(), limit_param)
+        return Job(request_id, None, [m.as_dict() for m in body.messages], max_tokens, sampling, mode, budget,
                    limit_param)
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    return Job(request_id, body.prompt, None, max_tokens, sampling, mode, budget)
+    return Job(request_id, body.prompt, None, config.limits.max_tokens_for(max_tokens, "max_tokens"), sampling, mode,
+               budget)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..cli import _positive, add_pair_arguments, budget, load_engine
+from .auth import ENV_VAR, api_keys
 
 _positive_int = _positive(int)
 
@@ -46,6 +47,24 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model id of /v1/models (default: the target "
                    "directory's name, ddtree-demo for the demo pair)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    ops = p.add_argument_group("operators' limits")
+    ops.add_argument("--api-key", action="append", default=None,
+                     help=f"a key /v1/* requests must send as 'Authorization: Bearer <key>' (repeatable; "
+                          f"${ENV_VAR} holds more, comma-separated, out of process lists)")
+    ops.add_argument("--protect-metrics", action="store_true", help="/metrics needs a key too (/health never does)")
+    ops.add_argument("--max-tokens-limit", type=_positive_int, default=None,
+                     help="the most tokens one request may ask for (more: 400; asking nothing: this many)")
+    ops.add_argument("--max-prompt-tokens", type=_positive_int, default=None, help="longer prompts get 400")
+    ops.add_argument("--max-streams", type=_positive_int, default=None,
+                     help="streamed responses open at once (more: 429 + Retry-After)")
+    ops.add_argument("--request-timeout", type=_positive(float), default=None,
+                     help="seconds from acceptance to the last token; then the request is stopped (504)")
+    ops.add_argument("--body-timeout", type=_positive(float), default=30.0,
+                     help="seconds to receive a request body (408 after)")
+    ops.add_argument("--send-timeout", type=_positive(float), default=30.0,
+                     help="a stream whose client reads nothing this long is aborted")
+    ops.add_argument("--drain-seconds", type=_positive(float), default=30.0,
+                     help="on SIGTERM / SIGINT: how long running requests may finish before they are failed")
     return p
 
 
@@ -81,21 +100,36 @@ def serve(args) -> int:
     import uvicorn
 
     from .app import ServerConfig, create_app
+    from .limits import Limits
+    from .shutdown import DrainingServer
 
+    keys = api_keys(args.api_key)  # before the model loads: a bad key is a one-line error at once
+    limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
+                    max_streams=args.max_streams, request_timeout_s=args.request_timeout,
+                    body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
     engine = load_engine(args, round_costs=args.round_costs)
     if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
         start = time.perf_counter()
-        engine.measure_round_costs(progress=True)
-        print(f"ddtree serve: round costs for batches up to {engine.max_batch} ready in "
-              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        try:
+            engine.measure_round_costs(progress=True)
+            print(f"ddtree serve: round costs for batches up to {engine.max_batch} ready in "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        except (ValueError, RuntimeError) as err:  # fixed budgets and ar work without them
+            engine.sizer.failure = str(err)
+            print(f"ddtree serve: warning: round costs could not be measured ({err}); budget auto takes the "
+                  "smallest tree (a fixed --budget, or --round-costs from ddtree profile, avoids it)",
+                  file=sys.stderr, flush=True)
     name = args.served_model_name or (Path(args.target).resolve().name if args.target else "ddtree-demo")
     config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          metadata=_metadata(engine, engine.target.embed_tokens.weight.dtype))
+                          metadata=_metadata(engine, engine.target.embed_tokens.weight.dtype),
+                          api_keys=keys, metrics_need_key=args.protect_metrics, limits=limits)
     app = create_app(engine, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     print(f"ddtree serve: {name} on {config.metadata['device_name']} ({engine.device}), modes "
           f"{'ar, chain, ddtree' if engine.drafter is not None else 'ar'}, max_batch {engine.max_batch}, "
-          f"{engine.blocks.num_pages} KV pages; http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+          f"{engine.blocks.num_pages} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}; "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run()
     return 0

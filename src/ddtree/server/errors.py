@@ -7,6 +7,7 @@ Every 4xx / 5xx the server sends has the body OpenAI's API sends:
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import Request
@@ -75,21 +76,30 @@ def validation_error(err: ValidationError) -> APIError:
                     else "unknown_parameter")
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The request body as a JSON object, read at most `limit` bytes far.
-    Raises APIError: 413 over the limit, 400 for bytes that are not UTF-8, invalid JSON, a
-    non-object, or strings that cannot be encoded (lone surrogates)."""
+async def read_json(request: Request, limit: int, timeout_s: float | None = None) -> dict:
+    """The request body as a JSON object, read at most `limit` bytes far, within `timeout_s`.
+    Raises APIError: 413 over the limit, 408 when the body has not arrived in time (a slow client
+    holds nothing of the engine's meanwhile: requests are queued once their body is read), 400 for
+    bytes that are not UTF-8, invalid JSON, a non-object, or strings that cannot be encoded (lone
+    surrogates)."""
     length = request.headers.get("content-length", "")
     too_big = APIError(413, f"the request body is over the server's limit of {limit} bytes", code="request_too_large")
     if length.isdigit() and int(length) > limit:
         raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():  # stop reading as soon as the limit is passed
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+
+    async def receive() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():  # stop reading as soon as the limit is passed
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(receive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

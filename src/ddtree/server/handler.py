@@ -4,7 +4,9 @@ stream its chunks as server-sent events or collect them into one response.
 A client that disconnects has its request aborted: a watcher on the ASGI receive channel sees the
 disconnect, before the response starts and while it streams; a stream is also aborted when its
 response ends in any other way (a failed send, a cancellation, the body never iterated), from the
-response's own `finally`. Either way the scheduler drops it before the next round.
+response's own `finally`. Either way the scheduler drops it before the next round. A client that
+reads nothing of its stream for Limits.send_timeout_s is treated as gone. Streams open at once
+are capped by Limits.max_streams (429 past it).
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
                    options: StreamOptions | None) -> Response:
     """Serve one job end to end; returns the response (an error body for 4xx / 5xx)."""
     endpoint = request.url.path
-    metrics, scheduler = state.metrics, state.scheduler
+    metrics, scheduler, limits = state.metrics, state.scheduler, state.config.limits
+    if stream and limits.max_streams is not None and state.streams >= limits.max_streams:
+        metrics.requests.labels(endpoint, "429").inc()
+        return APIError(429, f"{state.streams} streams are open, this server's limit (--max-streams); retry later",
+                        code="too_many_streams", headers={"Retry-After": str(state.config.retry_after_s)}).response()
     try:
         handle = scheduler.submit(job, asyncio.get_running_loop())
     except QueueFull as err:
@@ -61,6 +67,8 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
     shape = ResponseShape(kind, job.request_id, state.config.model_name)
     watcher = asyncio.ensure_future(_disconnected(request))
     status, texts = 500, []
+    if stream:
+        state.streams += 1  # from here until the stream (or this function, if it never starts) closes
     try:
         while True:  # Accepted or Failed first, then the chunks
             event = await _next(handle, watcher)
@@ -77,7 +85,8 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
                 # from here the stream owns the watcher, the abort and the count, whatever happens
                 stream_ = _Stream(handle, shape, options or StreamOptions(), state, endpoint, watcher)
                 status, watcher = None, None
-                return _ClosingStream(stream_.events(), stream_.close, media_type="text/event-stream",
+                return _ClosingStream(stream_.events(), stream_.close, limits.send_timeout_s,
+                                      media_type="text/event-stream",
                                       headers={"Cache-Control": "no-cache", "X-Request-Id": job.request_id})
             texts.append(event.text)
             if event.finish_reason is not None:
@@ -94,20 +103,30 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
             watcher.cancel()
         if status is not None:
             metrics.requests.labels(endpoint, str(status)).inc()
+            if stream:
+                state.streams -= 1  # the stream never started: it is not _Stream's to close
 
 
 class _ClosingStream(StreamingResponse):
     """A StreamingResponse that calls `on_close` however it ends: sent in full, the client gone
     mid-stream, or gone before the body's first iteration (then an async generator's own `finally`
-    never runs, since it never started)."""
+    never runs, since it never started). A send the client does not take within `send_timeout_s`
+    (its socket buffers full: it reads nothing) ends it as if the client had gone."""
 
-    def __init__(self, content, on_close, **kwargs):
+    def __init__(self, content, on_close, send_timeout_s: float, **kwargs):
         super().__init__(content, **kwargs)
-        self._on_close = on_close
+        self._on_close, self._send_timeout_s = on_close, send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self._send_timeout_s)
+            except asyncio.TimeoutError:
+                log.info("a stream's client read nothing for %g s; aborting it", self._send_timeout_s)
+                raise OSError("the client stopped reading its stream") from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
         finally:
             self._on_close()
 
@@ -158,6 +177,7 @@ class _Stream:
         if self.closed:
             return
         self.closed = True
+        self.state.streams -= 1
         self.watcher.cancel()
         if not self.done:  # the client went away, or a bug: free its slot and pages
             self.state.scheduler.abort(self.handle.request_id)

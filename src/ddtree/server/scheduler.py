@@ -7,6 +7,10 @@ round after the device committed them); finished requests leave as soon as that 
 requests therefore join between rounds, and a disconnected client's abort is applied at the next
 step (a round already launched for it is discarded, its pages freed).
 
+Deadlines (Limits.request_timeout_s) are checked every turn: an expired request is failed with
+504 and aborted, whatever its state. A drain (graceful shutdown) refuses new submissions and lets
+the running ones finish, until end_drain() fails what is left.
+
 Failures stay contained: an error while preparing or delivering one request fails that request
 alone (500, logged with its id); an error inside `engine.step()`, which no request can be blamed
 for, fails the requests that were running in it, aborts them, and the loop goes on.
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from ..engine.pages import KVCacheFull
 from .errors import APIError, internal_error
 from .jobs import Accepted, Chunk, Failed, Handle, Job, Usage
+from .limits import Limits
 from .metrics import Metrics
 from .prompts import encode, sampling_params
 
@@ -44,10 +49,14 @@ class _Live:
 
 
 class Scheduler:
-    def __init__(self, engine, metrics: Metrics, *, max_queue: int = 256, idle_wait_s: float = 0.1):
+    def __init__(self, engine, metrics: Metrics, *, max_queue: int = 256, idle_wait_s: float = 0.1,
+                 limits: Limits | None = None):
         """engine: an Engine used from this scheduler's thread only; max_queue: requests accepted
-        but not yet in the batch (inbox + the engine's waiting queue) before submit refuses."""
+        but not yet in the batch (inbox + the engine's waiting queue) before submit refuses;
+        limits: prompt length and request deadline (the rest is the HTTP side's)."""
         self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
+        self.limits = limits or Limits()
+        self._draining = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # scheduler thread only
         self._lock = threading.Lock()  # guards _queued, and orders submit's put against stop
@@ -74,12 +83,31 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def begin_drain(self) -> None:
+        """Refuse new submissions (503 shutting_down); the accepted ones go on."""
+        with self._lock:
+            self._draining.set()
+
+    def end_drain(self) -> None:
+        """Fail every request still held (503 shutting_down; mid-stream an error event), freeing
+        its pages; applied at the thread's next turn."""
+        self._inbox.put(("fail_all", None))
+
+    @property
+    def idle(self) -> bool:
+        """Nothing accepted is waiting or running (read from the last snapshot and the queue count)."""
+        return self._queued == 0 and self.snapshot.get("running", 0) == 0 and self.snapshot.get("live", 0) == 0
+
     def submit(self, job: Job, loop) -> Handle:
         """Queue a job; its events arrive in the returned handle. Raises QueueFull, or
         RuntimeError once the scheduler is stopping."""
         handle = Handle(job.request_id, loop)
         with self._lock:  # the stop check and the put together: stop() cannot fall between them
-            if self._stop.is_set():
+            if self._stop.is_set() or self._draining.is_set():
                 raise RuntimeError("the server is shutting down")
             if self._queued >= self.max_queue:
                 raise QueueFull(f"{self._queued} requests are waiting (max_queue={self.max_queue})")
@@ -99,6 +127,7 @@ class Scheduler:
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished() and not self._stop.is_set():
                     self._step()
+                self._expire()
             except Exception:  # a bug outside any one request: never let the thread die silently
                 log.exception("scheduler: unexpected error; failing the requests in flight")
                 for rid in list(self._live):
@@ -118,6 +147,9 @@ class Scheduler:
             if item is not None:  # None only wakes the loop (stop)
                 if item[0] == "submit":
                     self._accept(item[1], item[2])
+                elif item[0] == "fail_all":
+                    for rid in list(self._live):
+                        self._fail(rid, APIError(503, "the server is shutting down", code="shutting_down"))
                 else:
                     self._abort(item[1])
             try:
@@ -131,6 +163,7 @@ class Scheduler:
             return self._reject(handle, APIError(503, "the server is shutting down", code="shutting_down"))
         try:
             ids = encode(self.engine, job)
+            self.limits.check_prompt(len(ids), job.prompt_param)
             params = sampling_params(self.engine, job, len(ids))
             self.engine.add_request(ids, params, mode=job.mode, budget=job.budget, request_id=rid)
         except APIError as err:
@@ -180,6 +213,18 @@ class Scheduler:
             self._unqueue()
         self._forget(rid)
         live.handle.push(Failed(error))
+
+    def _expire(self) -> None:
+        """Fail the requests past their deadline (504), whatever their state."""
+        timeout = self.limits.request_timeout_s
+        if timeout is None or not self._live:
+            return
+        now = time.perf_counter()
+        for rid, live in list(self._live.items()):
+            if now - live.accepted_at > timeout:
+                log.info("request %s: past its deadline of %g s after %d tokens; aborted", rid, timeout, live.produced)
+                self._fail(rid, APIError(504, f"the request took longer than this server's limit of {timeout:g} s "
+                                         "(--request-timeout); it was stopped", code="request_timeout"))
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -247,8 +292,8 @@ class Scheduler:
 
     def _publish(self) -> None:
         blocks = self.engine.blocks
-        snapshot = {"running": self.engine.num_running, "queued": self._queued, "pages_free": blocks.num_free,
-                    "pages_in_use": blocks.num_pages - blocks.num_free, "pages_promised": blocks.num_promised,
-                    "pages_total": blocks.num_pages}
+        snapshot = {"running": self.engine.num_running, "queued": self._queued, "live": len(self._live),
+                    "pages_free": blocks.num_free, "pages_in_use": blocks.num_pages - blocks.num_free,
+                    "pages_promised": blocks.num_promised, "pages_total": blocks.num_pages}
         self.snapshot = snapshot
         self.metrics.publish(snapshot)

@@ -22,18 +22,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ddtree.engine.oracle import OracleDrafter
+
 RECORDED = Path(__file__).resolve().parent / "data" / "demo_acceptance.safetensors"
 _MIX = 0x9E3779B97F4A7C15 >> 2  # an odd 62-bit multiplier: slots and lengths spread over the recorded rounds
 
 
-class ReplayDrafter:
+class ReplayDrafter(OracleDrafter):
     """Wraps a Drafter (same interface). sequences: int64 [max_batch, max_len], each slot's prompt +
-    greedy continuation, -1 where unknown (set_sequence)."""
+    greedy continuation, -1 where unknown (OracleDrafter.set_sequence)."""
 
     def __init__(self, drafter, max_batch: int, max_len: int, recorded: Path = RECORDED, wrong: bool = False,
                  seed: int = 0):
-        self.inner = drafter
-        self.cfg = drafter.cfg
+        super().__init__(drafter, max_batch, max_len)
         device = drafter.fc.weight.device
         data = load_file(str(recorded))
         ranks, logprobs = data["ranks"].long(), data["logprobs"].float()
@@ -48,7 +49,6 @@ class ReplayDrafter:
         rest = drafter.cfg.vocab_size - self.logprobs.shape[2]
         # Below the K-th log-prob, so that the top K are exactly the recorded ones.
         self.rest_logprob = torch.minimum(((1 - mass).clamp_min(1e-30) / rest).log(), self.logprobs[..., -1] - 1e-3)
-        self.sequences = torch.full((max_batch, max_len), -1, dtype=torch.int64, device=device)
         self.seed = seed
 
     @property
@@ -60,13 +60,6 @@ class ReplayDrafter:
         """True: the target's token is never among the top K (the probabilities stay as recorded)."""
         self._wrong = bool(value)
         self.ranks.copy_(torch.full_like(self.recorded_ranks, -1) if value else self.recorded_ranks)
-
-    def set_sequence(self, slot: int, tokens: list[int]) -> None:
-        self.sequences[slot] = -1
-        self.sequences[slot, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
     def draft_logits(self, target, bonus: torch.Tensor, cache, key_limit: int | None = None) -> torch.Tensor:
         """As Drafter.draft_logits (float32 [B, D, V]), with the replayed distributions."""

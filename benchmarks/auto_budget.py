@@ -195,7 +195,10 @@ def main() -> None:
                "pair_info": getattr(args, "pair_info", None), "prefix": None if args.pair == "demo" else args.prefix}
     payload["bars"] = bars(rows, replay=args.pair != "demo")
     md = write_results(f"auto_budget-{name}", payload, table(payload), args.out_dir)
-    plot(payload, md.with_suffix(".png"))
+    try:
+        plot(payload, md.with_suffix(".png"))
+    except ImportError:  # the bench extra brings matplotlib; the tables are written either way
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
     print(md.read_text())
 
 

@@ -32,9 +32,7 @@ class Flight:
 
     def rows(self) -> list[list[int]]:
         """The result as lists, waiting for the copy (and so the round) to finish."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self.result.tolist()
+        return self.array().tolist()
 
     def array(self):
         """The result as a NumPy array (int64 [bucket, width], no copy), waiting as rows() does."""

@@ -21,14 +21,13 @@ import torch
 from .costs import RoundCosts
 from .pages import pages_for
 from .sampling import SamplingParams
+from .scheduling import bucket_for
 
 log = logging.getLogger("ddtree.engine")
 
 
 def buckets_up_to(count: int, max_batch: int) -> list[int]:
     """The batch buckets a round over at most `count` requests can take: 1, 2, 4 ... (scheduling)."""
-    from .scheduling import bucket_for
-
     top, buckets, b = bucket_for(max(1, count), max_batch), [], 1
     while b < top:
         buckets.append(b)

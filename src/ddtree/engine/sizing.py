@@ -97,6 +97,10 @@ class TreeSizer:
     @costs.setter
     def costs(self, table: RoundCosts | None) -> None:
         self._costs = table
+        self._drop_lookups()
+
+    def _drop_lookups(self) -> None:
+        """Forget what was looked up in the table (it changed)."""
         self._rows: dict = {}  # (bucket, floor) -> the candidates' costs, as looked up in the table
         self._expected: tuple = (None, None)  # (key, batch's expected tokens per candidate)
 
@@ -125,7 +129,7 @@ class TreeSizer:
             self.costs = table
         else:
             self.costs.merge(table)
-            self.costs = self.costs  # drop what was looked up in the table before
+            self._drop_lookups()
 
     def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int) -> int:
         """The round's size for `auto` requests (engine Requests with a .forecast) in a batch whose
@@ -171,7 +175,6 @@ class TreeSizer:
     def _probe_or_decode(self, auto: list, decode: float, probe: float, probe_size: int) -> int:
         for r in auto:
             r.forecast.decode_seconds += decode
-        for r in auto:
             r.forecast.wait = r.forecast.wait or self.wait_prior
         due = [r for r in auto if r.forecast.decode_seconds >= r.forecast.wait * (probe - decode)
                and r.remaining_tokens() > 1]  # a request about to end learns nothing it can use

@@ -30,19 +30,27 @@ class TextStream:
         """Append one committed token; True when the text now contains a stop string (the text
         is then cut before its first occurrence)."""
         self.tokens.append(token)
-        before = self._decode(self.tokens[self._prefix : self._read])
-        after = self._decode(self.tokens[self._prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        new = self._unread_text()
+        if not new or new.endswith("\ufffd"):
             # nothing printable yet (a special token, or half a character): but what is complete
             # before the half character may already finish a stop string
-            complete = after[len(before) :].rstrip("\ufffd")
+            complete = new.rstrip("\ufffd")
             cut = first_stop(self.text + complete, len(self.text), self.stop) if complete else None
             if cut is None:
                 return False
             self.text, self._stopped = (self.text + complete)[:cut], True
             return True
+        return self._append(new)
+
+    def _unread_text(self) -> str:
+        """What the tokens past the window add to its text (may end in half a character)."""
+        before = self._decode(self.tokens[self._prefix : self._read])
+        return self._decode(self.tokens[self._prefix :])[len(before) :]
+
+    def _append(self, new: str) -> bool:
+        """Take `new` (the unread tokens' text) into the text, move the window on, cut at a stop."""
         start = len(self.text)
-        self.text += after[len(before) :]
+        self.text += new
         self._prefix, self._read = self._read, len(self.tokens)
         return self._cut_at_stop(start)
 
@@ -66,10 +74,7 @@ class TextStream:
     def delta(self, final: bool = False) -> str:
         """Text not streamed yet (all of it when final, an unfinished character included)."""
         if final and self._read < len(self.tokens) and not self._stopped:
-            tail = self._decode(self.tokens[self._prefix :])[len(self._decode(self.tokens[self._prefix : self._read])) :]
-            self.text += tail
-            self._prefix = self._read = len(self.tokens)
-            self._cut_at_stop(len(self.text) - len(tail))
+            self._append(self._unread_text())
         end = len(self.text) if final else max(self._sent, len(self.text) - self._held_back())
         out = self.text[self._sent : end]
         self._sent = end

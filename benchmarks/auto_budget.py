@@ -13,9 +13,10 @@ target's greedy continuation. --wrong adds `auto` with a drafter that is always 
 
 Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up. The
 prompts run in groups of B, one generate call per group, so every configuration admits (and
-prefills) them the same way. Every configuration runs a warm-up pass of the same groups at 32
-new tokens (kernels compiled, graphs captured, auto's forecast learned, as in a server that has
-been up a while), then the timed pass. tokens/s: generated tokens over the wall time of the pass;
+prefills) them the same way. Every configuration runs a warm-up pass of the same groups
+(--warmup-new tokens, by default as many as the timed pass: kernels compiled, graphs captured for
+the contexts the timed pass reaches, auto's forecast learned, as in a server that has been up a
+while), then the timed pass. tokens/s: generated tokens over the wall time of the pass;
 decode tokens/s leaves out the first token and the wall time of the same groups at
 max_new_tokens = 1 (their prefill). The bars use decode tokens/s. `ar` runs first and again
 last: the two show the run-to-run spread.
@@ -63,6 +64,7 @@ class Workload:
         slot its truth; prefix: the prompts' length (round costs are measured at it)."""
         self.engine, self.groups, self.new, self.replay, self.prefix = engine, groups, new, replay, prefix
         self.continuations: list[list[list[int]]] | None = None  # ar's tokens per group (the replay's truth)
+        self.warmup_new = new
 
     def set_continuations(self, outs: list) -> None:
         tokens = iter(o.token_ids for o in outs)
@@ -84,7 +86,7 @@ class Workload:
 
 
 def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | None, prefill_s: float) -> dict:
-    work.run(mode, budget, new=min(work.new, 32))  # warm-up pass
+    work.run(mode, budget, new=work.warmup_new)  # warm-up pass
     graphs = work.engine.graphs
     eager = graphs.eager_rounds if graphs is not None else None
     seconds, outs = work.run(mode, budget)
@@ -174,6 +176,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
     parser.add_argument("--prefix", type=int, default=512, help="real-size pairs: prompt tokens")
+    parser.add_argument("--warmup-new", type=int, default=None, help="new tokens of each warm-up pass (default --new)")
     parser.add_argument("--wrong", action="store_true", help="real-size pairs: also auto with an always-wrong drafter")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--combine", type=Path, nargs="+", default=None, help="write the bars of these result files")
@@ -188,10 +191,11 @@ def main() -> None:
     workloads = demo_workloads(args, device) if args.pair == "demo" else replay_workloads(args, device)
     rows = []
     for batch, engine, work in workloads:
+        work.warmup_new = args.warmup_new or args.new
         rows += run_batch(engine, work, batch, args.budgets, args.wrong)
     name = args.pair + (f"-{args.layers}l" if args.layers else "")
     payload = {"environment": env, "pair": name, "device": str(device), "new_tokens": args.new,
-               "batches": args.batches, "budgets": args.budgets, "rows": rows,
+               "batches": args.batches, "budgets": args.budgets, "rows": rows, "warmup_new": args.warmup_new or args.new,
                "pair_info": getattr(args, "pair_info", None), "prefix": None if args.pair == "demo" else args.prefix}
     payload["bars"] = bars(rows, replay=args.pair != "demo")
     md = write_results(f"auto_budget-{name}", payload, table(payload), args.out_dir)

@@ -42,8 +42,9 @@ def bars(rows: list[dict], replay: bool) -> dict:
 def table(payload: dict) -> str:
     parts = [f"Pair: {payload['pair']}, {payload['new_tokens']} new tokens per request"
              + (f", prompts of {payload['prefix']} random tokens" if payload.get("prefix") else ", held-out prompts")
-             + ". Speeds are of the timed pass, after a warm-up pass of the same prompts; decode tokens/s leaves out "
-             "the first token and the prefill's wall time.", "## Bars"]
+             + ". Speeds are of the timed pass, after a warm-up pass of the same prompts"
+             + (f" at {payload['warmup_new']} new tokens" if payload.get("warmup_new") else "")
+             + "; decode tokens/s leaves out the first token and the prefill's wall time.", "## Bars"]
     parts.append("\n".join(f"- {k}: {v:.3f}" for k, v in payload["bars"].items() if k != "per_batch"))
     for batch, rows in _by_batch(payload["rows"]).items():
         ratios = payload["bars"]["per_batch"][str(batch)]

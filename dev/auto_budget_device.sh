@@ -15,9 +15,9 @@ for part in "$@"; do
     tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \
             --out-dir /tmp/tiny 2>&1 | grep -A3 "Bars\|^  " ;;
     demo) python3 benchmarks/auto_budget.py --pair demo --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;
-    moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --out-dir "$out" 2>&1 \
+    moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --warmup-new 32 --out-dir "$out" 2>&1 \
                  | tee "$out/moonlight.log" | grep -v "^|" ;;
-    kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --out-dir "$out" 2>&1 \
+    kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --out-dir "$out" 2>&1 \
             | tee "$out/kimi.log" | grep -v "^|" ;;
     steps) python3 dev/demo_step_profile.py --batch 8 --configs ar,1 ddtree,32 ddtree,auto 2>&1 \
              | tee "$out/steps.log" | grep "wall" ;;

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ddtree import Engine  # noqa: E402
-from ddtree.engine.costs import RoundCosts  # noqa: E402
+from ddtree.engine.costs import RoundCosts, StepCorrection  # noqa: E402
 from ddtree.engine.oracle import OracleDrafter  # noqa: E402
 from ddtree.models import load_drafter, load_target  # noqa: E402
 
@@ -36,6 +36,8 @@ def engine_with(models, *, tree_cost=None, drafter=None, **kwargs) -> Engine:
     engine = Engine(target, drafter or load_drafter(drafter_dir, target), page_size=8, max_batch=4, **kwargs)
     if tree_cost is not None:
         engine.sizer.costs = table(engine, tree_cost)
+        # the table is in units of a plain step, not in seconds: steps must not correct it
+        engine.sizer.correction = StepCorrection(limits=(1.0, 1.0))
     return engine
 
 
@@ -221,3 +223,20 @@ def test_generate_leaves_nothing_behind_when_a_step_fails(models, monkeypatch):
     assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_pages
     monkeypatch.setattr(engine, "step", real)
     assert len(engine.generate(prompts(1, 12, seed=5), max_new_tokens=4)[0].token_ids) == 4
+
+
+def test_the_engine_teaches_the_sizer_what_its_steps_cost(models):
+    """Every auto step's wall time reaches the sizer's correction, except the one whose interval
+    holds a prefill; fixed budgets and the cost measurement's stand-ins teach nothing."""
+    engine = engine_with(models, tree_cost=2.0)
+    engine.sizer.correction = StepCorrection()
+    batch = prompts(1, 12, seed=3)
+    engine.generate(batch, max_new_tokens=NEW, mode="ddtree", budget=4)
+    assert engine.sizer.correction.ratios == {}
+    engine.drain()  # the round launched after the request's last: read now, not between auto steps
+    out = engine.generate(batch, max_new_tokens=NEW)[0]
+    exact = {key: count for key, (_, count) in engine.sizer.correction.ratios.items() if key[1] >= 0}
+    assert sum(exact.values()) == out.stats.rounds - 1  # the first read follows the admission's prefill
+    assert {size for _, size in exact} <= set(out.stats.tree_sizes) and {b for b, _ in exact} == {1}
+    # the table's costs are seconds, these steps milliseconds: every ratio clamps at its floor
+    assert all(ratio == 0.5 for ratio, _ in engine.sizer.correction.ratios.values())

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ddtree.engine.costs import FORMAT, RoundCosts
+from ddtree.engine.costs import FORMAT, RoundCosts, StepCorrection
 
 SIGNATURE = {"device": "cpu", "dtype": "float32", "cuda_graphs": False, "target": {"hidden_size": 64}}
 
@@ -60,3 +60,22 @@ def test_merge_takes_the_other_tables_values():
     assert costs.seconds[2] == {0: 0.002, 16: 0.01, 4: 0.005} and costs.buckets() == [1, 2, 8]
     with pytest.raises(ValueError, match="merged table was measured for device"):
         costs.merge(RoundCosts({**SIGNATURE, "device": "NVIDIA H200"}, {}))
+
+
+def test_step_correction_learns_how_far_the_table_is_off():
+    correction = StepCorrection(memory=4, min_count=2)
+    assert correction.ratio(1, 4) == correction.ratio(1, 0) == 1.0  # nothing seen: the table as it is
+    correction.observe(1, 4, seconds=3.0, predicted=1.5)
+    assert correction.ratio(1, 4) == 1.0  # one step is not enough
+    correction.observe(1, 4, seconds=2.0, predicted=1.0)
+    assert correction.ratio(1, 4) == pytest.approx(2.0)
+    assert correction.ratio(1, 16) == pytest.approx(2.0)  # a tree size not seen: the bucket's trees' ratio
+    assert correction.ratio(1, 0) == 1.0 and correction.ratio(2, 4) == 1.0  # plain steps, other buckets: their own
+    for _ in range(3):
+        correction.observe(1, 0, seconds=0.5, predicted=1.0)
+    assert correction.ratio(1, 0) == pytest.approx(0.5) and correction.ratio(1, 4) == pytest.approx(2.0)
+    correction.observe(1, 4, seconds=1000.0, predicted=1.0)  # a stall: clamped to 4, weight 1/3
+    assert correction.ratio(1, 4) == pytest.approx(2.0 + (4.0 - 2.0) / 3)
+    for _ in range(40):  # an exponential average after `memory` steps: the old ratio fades
+        correction.observe(1, 4, seconds=1.0, predicted=1.0)
+    assert correction.ratio(1, 4) == pytest.approx(1.0, abs=1e-3)

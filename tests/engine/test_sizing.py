@@ -157,3 +157,29 @@ def test_host_work_per_committed_token_weighs_against_big_trees():
     assert sizer.choose(1, [request], 0.0, 0) == 0  # 8 tokens now cost 2 + 7 * 1 = 9 s: plain steps
     sizer.host.add(seconds=0.0, tokens=10_000)  # the host got fast: trees again
     assert sizer.host.per_token < 0.01 and sizer.choose(1, [request], 0.0, 0) > 0
+
+
+def test_trees_that_cost_more_than_the_table_says_are_given_up():
+    """The table says a tree of 16 costs 2 plain steps and the request accepts 8 tokens a round; the
+    engine then sees its trees take 10 times what the table predicted: plain steps win. Plain steps
+    seen cheaper than predicted keep it there; trees seen at the table's cost bring trees back."""
+    table = costs({0: 1.0, 1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0})
+    sizer = TreeSizer(SIZES, DEPTH, table)
+    request = FakeRequest()
+    for _ in range(6):
+        observe(sizer.forecast, request.forecast, confident_chain(0.99), verified=16, accepted=list(range(1, 8)))
+    size = sizer.choose(1, [request], 0.0, 0)
+    assert size > 0
+    for _ in range(3):
+        sizer.observe_step(1, size, seconds=20.0, tokens=8)
+    assert sizer.correction.ratio(1, size) == 4.0  # 10x, clamped: 8 tokens for 8 s against 1 for 1 s
+    assert sizer.choose(1, [request], 0.0, 0) == 0
+    sizer.observe_step(4, 0, seconds=1.0, tokens=1)  # another bucket learns on its own
+    assert sizer.correction.ratio(4, 0) == 1.0 and sizer.correction.ratio(1, 0) == 1.0
+    for _ in range(16):
+        sizer.observe_step(1, size, seconds=2.0, tokens=8)
+    assert sizer.choose(1, [request], 0.0, 0) > 0
+    seen = dict(sizer.correction.ratios)
+    sizer.forced = 8
+    sizer.observe_step(1, 8, seconds=100.0, tokens=8)  # the table's own measurement teaches nothing
+    assert sizer.correction.ratios == seen

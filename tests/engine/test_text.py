@@ -1,6 +1,8 @@
 """TextStream: decoding a window per token gives the text a full decode gives (multi-byte
 characters split over tokens, random token soup included), stop strings cut it wherever they
-span tokens, and the streamed deltas add up to the final text."""
+span tokens, and the streamed deltas add up to the final text. Each test runs twice: through the
+tokenizers library's DecodeStream (the fast tokenizer's path) and through transformers' decode
+(any other tokenizer's)."""
 
 import random
 
@@ -13,9 +15,34 @@ from ddtree.engine.loading import load_tokenizer  # noqa: E402
 from ddtree.engine.text import TextStream  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(demo_pair()[0])
+class PythonOnly:
+    """The demo tokenizer seen as a tokenizer without a Rust backend (a remote-code one, say)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+
+    def __call__(self, text):
+        return self._tokenizer(text)
+
+    def decode(self, ids, **kwargs):
+        return self._tokenizer.decode(ids, **kwargs)
+
+
+@pytest.fixture(scope="module", params=["native", "python"])
+def tokenizer(request):
+    loaded = load_tokenizer(demo_pair()[0])
+    return loaded if request.param == "native" else PythonOnly(loaded)
+
+
+def test_a_fast_tokenizer_streams_through_decode_stream(tokenizer):
+    text = TextStream(tokenizer)
+    assert (text._native is not None) == (not isinstance(tokenizer, PythonOnly))
+    ids = tokenizer("def f(x):\n    return x")["input_ids"]
+    for token in ids:
+        text.add(token)
+    assert text.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert (text._native is not None) == (not isinstance(tokenizer, PythonOnly))  # it stayed on its path
 
 
 def stream(tokenizer, ids, stop=()):

@@ -138,3 +138,42 @@ def check_signature(got: dict, want: dict, source: str) -> None:
         if got.get(key) != want.get(key):
             raise ValueError(f"{source} was measured for {key} = {got.get(key)!r}, but this engine has "
                              f"{want.get(key)!r}: measure it again (`ddtree profile`)")
+
+
+class StepCorrection:
+    """What real steps cost over the table's prediction, learned from the engine's own steps.
+
+    The table is measured on stand-ins, and a real step can cost more: on a MoE target a real
+    tree's rows touch more distinct experts than stand-ins' trees do, and the host's work grows
+    with the text. Each observed step gives a ratio, observed seconds over predicted, kept per
+    (bucket, size) and, for tree rounds, per bucket over all tree sizes: a tree size not observed
+    yet takes the ratio of the trees seen. A plain step not observed yet keeps the table's cost:
+    the table measured it as it runs (no tree to differ), and a tree observed dear must not make
+    plain steps look dear too, or they would never be tried. Each is a running mean over its first observations, then an exponential
+    average; one step's ratio is clamped to `limits` so a stall (a page fault, a collection) moves
+    it little."""
+
+    ANY_TREE = -1
+
+    def __init__(self, memory: int = 16, min_count: int = 2, limits: tuple[float, float] = (0.5, 4.0)):
+        self.memory, self.min_count, self.limits = memory, min_count, limits
+        self.ratios: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, size) -> (ratio, steps seen)
+
+    def observe(self, bucket: int, size: int, seconds: float, predicted: float) -> None:
+        ratio = min(max(seconds / predicted, self.limits[0]), self.limits[1])
+        for key in self._keys(bucket, size):
+            mean, count = self.ratios.get(key, (1.0, 0))
+            weight = 1.0 / min(count + 1, self.memory)
+            self.ratios[key] = (mean + weight * (ratio - mean), count + 1)
+
+    def ratio(self, bucket: int, size: int) -> float:
+        """The factor for a step of `size` at `bucket`: its own once seen min_count times, else
+        (trees) the bucket's over all tree sizes, else 1."""
+        for key in self._keys(bucket, size):
+            mean, count = self.ratios.get(key, (1.0, 0))
+            if count >= self.min_count:
+                return mean
+        return 1.0
+
+    def _keys(self, bucket: int, size: int) -> list[tuple[int, int]]:
+        return [(bucket, size)] + ([(bucket, self.ANY_TREE)] if size > 0 else [])

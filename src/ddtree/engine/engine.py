@@ -96,6 +96,7 @@ class Engine(OfflineGeneration):
         self.timer = StageTimer(self.device, time_stages)
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
+        self._last_read: float | None = None  # when the last round's result came back (None: after a gap)
         use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
         self.signature = pair_signature(target, drafter, self.device, use, page_size, overlap)
@@ -235,7 +236,9 @@ class Engine(OfflineGeneration):
     def drain(self) -> list[StepOutput]:
         """Wait for the round in flight (overlap) and commit what it committed; its outputs."""
         flight, self._inflight = self._inflight, None
-        return self._collect(flight) if flight is not None else []
+        outputs = self._collect(flight) if flight is not None else []
+        self._last_read = None  # the engine may sit idle now: the next interval is no round's cost
+        return outputs
 
     def _live(self, request: Request) -> bool:
         return not request.finished and self._requests.get(request.id) is request
@@ -252,6 +255,8 @@ class Engine(OfflineGeneration):
                 and not self._running and any(r.auto for r in self._waiting):
             self._measure_or_degrade()  # before the first "auto" round of these batches
         outputs = {out.request_id: out for out in self._admit()}
+        if outputs:
+            self._last_read = None  # this step's prefill would count as the next read round's cost
         launched = self._launch([r for _, r in sorted(self._running.items())]) if self._running else None
         ready, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)
         for out in self._collect(ready) if ready is not None else []:
@@ -316,6 +321,7 @@ class Engine(OfflineGeneration):
         """Commit what a launched round committed, for its requests still running."""
         result = flight.rows()  # the one wait for the device
         start = time.perf_counter()
+        since, self._last_read = self._last_read, start
         seconds = flight.timer.seconds()
         outputs, auto, slots, tokens = [], [], [], 0
         for request in flight.requests:
@@ -336,6 +342,8 @@ class Engine(OfflineGeneration):
             self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
         if self.sizer is not None:
             self.sizer.host.add(time.perf_counter() - start, tokens)
+            if auto and since is not None:  # one step's wall time: this read since the last one
+                self.sizer.observe_step(flight.plan.bucket, flight.plan.budget, start - since, tokens)
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> StepOutput:

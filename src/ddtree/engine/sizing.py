@@ -10,7 +10,9 @@ n nodes. The choice is host arithmetic on values already read back: no new synch
 A step's host work (committing, detokenizing, streaming) grows with the tokens it commits, and the
 table was measured on stand-ins that commit few: a candidate's cost is the table's plus the
 host's measured seconds per committed token (HostCost) times the tokens it would commit beyond
-what the stand-ins did.
+what the stand-ins did. What real steps then cost beyond that prediction (a MoE target's real
+trees touch more experts than stand-ins' do) is learned from the engine's own steps
+(costs.StepCorrection) and multiplies the prediction.
 
 A request kept on plain steps learns nothing new about its drafter, so now and then it probes:
 once the plain steps it took since its last tree cost `wait` times what one probe round (the
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .costs import RoundCosts, check_signature
+from .costs import RoundCosts, StepCorrection, check_signature
 from .forecast import AcceptanceForecast
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -97,6 +99,7 @@ class TreeSizer:
     @costs.setter
     def costs(self, table: RoundCosts | None) -> None:
         self._costs = table
+        self.correction = StepCorrection()  # its ratios are over this table's predictions
         self._drop_lookups()
 
     def _drop_lookups(self) -> None:
@@ -143,8 +146,8 @@ class TreeSizer:
             size = smallest_tree  # nothing measured or nothing known: the cheapest tree that teaches
         else:
             tokens = fixed_tokens + expected
-            # the host's work on the tokens a step commits beyond what the stand-ins committed
-            seconds = np.maximum(seconds + (tokens - stand_in_tokens) * self.host.per_token, 0.5 * seconds)
+            seconds = self._predicted(seconds, tokens, stand_in_tokens)
+            seconds *= [self.correction.ratio(bucket, s) for s in candidates]
             size = best_size(candidates, seconds.tolist(), tokens.tolist())
             if size == 0:
                 size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
@@ -156,6 +159,22 @@ class TreeSizer:
             for r in auto:
                 r.forecast.decode_seconds = 0.0  # a tree is coming back: no probe until it is read
         return size
+
+    def _predicted(self, seconds, tokens, stand_in_tokens):
+        """The table's seconds plus the host's work on the tokens a step commits beyond what the
+        stand-ins committed (at least half the table's)."""
+        return np.maximum(seconds + (tokens - stand_in_tokens) * self.host.per_token, 0.5 * seconds)
+
+    def observe_step(self, bucket: int, size: int, seconds: float, tokens: int) -> None:
+        """A real step of `size` at `bucket` took `seconds` of wall time and committed `tokens`:
+        teach the correction how far the table's prediction was off."""
+        if self.forced is not None or self.costs is None:
+            return
+        candidates, table, stand_in = self._row(bucket, 0)
+        if table is None or size not in candidates:
+            return
+        i = candidates.index(size)
+        self.correction.observe(bucket, size, seconds, float(self._predicted(table[i], tokens, stand_in[i])))
 
     def learn(self, requests: list, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
         """Read a tree round's result (int64 [bucket, round.result_width]) for its "auto" requests

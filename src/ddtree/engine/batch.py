@@ -75,25 +75,31 @@ class BatchState:
 
     def occupy(self, slot: int, settings: SlotSettings) -> None:
         """A request takes `slot`: its settings go in, its drafter context starts empty."""
-        self.node_limit[slot] = settings.node_limit
-        self.chain[slot] = settings.chain
-        self.temperature[slot] = settings.temperature
-        self.top_k[slot] = settings.top_k
-        self.top_p[slot] = settings.top_p
-        self.seed[slot] = settings.seed
-        self.remaining[slot] = settings.max_new_tokens - 1  # the prefill commits the first
-        self.prefix_lens[slot] = 0
-        self.pending_rows[slot] = 0
-        if self.drafter is not None:
-            self.drafter.lengths[slot] = 0
-        self.active[slot] = True
+        self._write(slot, node_limit=settings.node_limit, chain=settings.chain, temperature=settings.temperature,
+                    top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed,
+                    remaining=settings.max_new_tokens - 1,  # the prefill commits the first
+                    prefix_lens=0, pending_rows=0, active=True)
 
     def vacate(self, slot: int) -> None:
-        self.active[slot] = False
-        self.prefix_lens[slot] = 0
-        self.pending_rows[slot] = 0
+        self._write(slot, active=False, prefix_lens=0, pending_rows=0)
+
+    def _write(self, slot: int, **values) -> None:
+        """Set each named per-slot tensor's row `slot` (the drafter context's length to 0 too),
+        queued behind the rounds already launched. On CUDA the values come from page-locked
+        memory: assigning a Python number to a CUDA tensor copies from pageable memory, which waits
+        for the stream, and a request finishing while a round is in flight then stalled the host
+        until that round was done."""
+        fields = [getattr(self, name) for name in values]
         if self.drafter is not None:
-            self.drafter.lengths[slot] = 0
+            fields.append(self.drafter.lengths)
+            values["lengths"] = 0
+        if self.device.type != "cuda":
+            for field, value in zip(fields, values.values()):
+                field[slot] = value
+            return
+        for field, value in zip(fields, values.values()):
+            source = torch.tensor([value], dtype=field.dtype).pin_memory()
+            field[slot : slot + 1].copy_(source, non_blocking=True)
 
     def taking_part(self, bucket: int) -> torch.Tensor:
         """bool [bucket]: slots a round advances, active with tokens remaining."""

@@ -285,7 +285,7 @@ class Engine(OfflineGeneration):
         for request in new:
             request.started = time.perf_counter()
         self.blocks.reserve([(r.slot, len(r.prompt_ids), r.id) for r in new])
-        self.state.block_table.copy_(self.blocks.table, non_blocking=True)
+        self.state.block_table.copy_(self._pinned(self.blocks.table), non_blocking=True)
         sampled, filtered = generation_params([r.params for r in new])
         self.timer.start()
         first = prefill(self.ctx, self.state, [r.slot for r in new], [r.prompt_ids for r in new], self.prefill_chunk,
@@ -307,15 +307,17 @@ class Engine(OfflineGeneration):
         plan = batch_requests(requests, self, behind)
         self.blocks.reserve([(r.slot, min(r.worst_rows(), r.prefix_len + behind + r.node_limit + 1), r.id)
                              for r in requests])
-        table = self.blocks.table[: plan.bucket]
-        if self.device.type == "cuda":
-            table = table.pin_memory()  # a snapshot the host may change afterwards; a pinned source copies asynchronously
-        self.state.block_table[: plan.bucket].copy_(table, non_blocking=True)
+        self.state.block_table[: plan.bucket].copy_(self._pinned(self.blocks.table[: plan.bucket]), non_blocking=True)
         timer = StageTimer(self.device, self.time_stages)
         timer.start()
         result = (self.graphs.run(plan, timer) if self.graphs is not None
                   else run_round(self.ctx, self.state, plan, self.max_depth, timer))
         return launch_copy(result, requests, plan, timer)
+
+    def _pinned(self, table: torch.Tensor) -> torch.Tensor:
+        """On CUDA a page-locked snapshot of a host table (the host may change it afterwards;
+        a copy from pageable memory would wait for the stream)."""
+        return table.pin_memory() if self.device.type == "cuda" else table
 
     def _collect(self, flight: Flight) -> list[StepOutput]:
         """Commit what a launched round committed, for its requests still running."""

@@ -16,9 +16,9 @@ prompts run in groups of B, one generate call per group, so every configuration 
 prefills) them the same way. Every configuration runs a warm-up pass of the same groups
 (--warmup-new tokens, by default as many as the timed pass: kernels compiled, graphs captured for
 the contexts the timed pass reaches, auto's forecast learned, as in a server that has been up a
-while), then the timed pass. tokens/s: generated tokens over the wall time of the pass;
-decode tokens/s leaves out the first token and the wall time of the same groups at
-max_new_tokens = 1 (their prefill). The bars use decode tokens/s. `ar` runs first and again
+while), then --passes timed passes, of which the median is reported. tokens/s: generated tokens
+over the wall time of the pass; decode tokens/s leaves out the first token and the wall time of
+the same groups at max_new_tokens = 1 (their prefill). The bars use decode tokens/s. `ar` runs first and again
 last: the two show the run-to-run spread.
 """
 
@@ -65,6 +65,7 @@ class Workload:
         self.engine, self.groups, self.new, self.replay, self.prefix = engine, groups, new, replay, prefix
         self.continuations: list[list[list[int]]] | None = None  # ar's tokens per group (the replay's truth)
         self.warmup_new = new
+        self.passes = 1  # timed passes per configuration (the median one is reported)
 
     def set_continuations(self, outs: list) -> None:
         tokens = iter(o.token_ids for o in outs)
@@ -89,12 +90,13 @@ def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | Non
     work.run(mode, budget, new=work.warmup_new)  # warm-up pass
     graphs = work.engine.graphs
     eager = graphs.eager_rounds if graphs is not None else None
-    seconds, outs = work.run(mode, budget)
+    passes = sorted((work.run(mode, budget) for _ in range(work.passes)), key=lambda p: p[0])
+    seconds, outs = passes[len(passes) // 2]  # the median pass (the slower middle one of an even count)
     tokens = sum(len(o.token_ids) for o in outs)
     rounds = [n for o in outs for n in o.stats.acceptance_lengths]
     sizes = [s for o in outs for s in o.stats.tree_sizes]
     row = {"config": label, "mode": mode, "budget": budget, "requests": len(outs), "tokens": tokens,
-           "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "seconds": seconds, "pass_seconds": [p[0] for p in passes], "tokens_per_s": tokens / seconds,
            "decode_tokens_per_s": (tokens - len(outs)) / max(seconds - prefill_s, 1e-9),
            "mean_acceptance_length": sum(rounds) / max(1, len(rounds)), "rounds": len(rounds),
            "tree_rounds": sum(s > 0 for s in sizes), "mean_tree_size": sum(sizes) / max(1, len(sizes)),
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128, help="new tokens per request")
     parser.add_argument("--prefix", type=int, default=512, help="real-size pairs: prompt tokens")
     parser.add_argument("--warmup-new", type=int, default=None, help="new tokens of each warm-up pass (default --new)")
+    parser.add_argument("--passes", type=int, default=1, help="timed passes per configuration (the median is reported)")
     parser.add_argument("--wrong", action="store_true", help="real-size pairs: also auto with an always-wrong drafter")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--combine", type=Path, nargs="+", default=None, help="write the bars of these result files")
@@ -191,11 +194,12 @@ def main() -> None:
     workloads = demo_workloads(args, device) if args.pair == "demo" else replay_workloads(args, device)
     rows = []
     for batch, engine, work in workloads:
-        work.warmup_new = args.warmup_new or args.new
+        work.warmup_new, work.passes = args.warmup_new or args.new, args.passes
         rows += run_batch(engine, work, batch, args.budgets, args.wrong)
     name = args.pair + (f"-{args.layers}l" if args.layers else "")
     payload = {"environment": env, "pair": name, "device": str(device), "new_tokens": args.new,
                "batches": args.batches, "budgets": args.budgets, "rows": rows, "warmup_new": args.warmup_new or args.new,
+               "timed_passes": args.passes,
                "pair_info": getattr(args, "pair_info", None), "prefix": None if args.pair == "demo" else args.prefix}
     payload["bars"] = bars(rows, replay=args.pair != "demo")
     md = write_results(f"auto_budget-{name}", payload, table(payload), args.out_dir)

@@ -13,8 +13,9 @@ from .pairs import make_pair, prompts  # noqa: E402
 
 def test_graph_key_limit_rounds_up_to_a_power_of_two_within_the_capacity():
     assert graph_key_limit(None, 4096) is None
-    assert [graph_key_limit(n, 4096) for n in (1, 64, 65, 128, 129, 1000)] == [64, 64, 128, 128, 256, 1024]
+    assert [graph_key_limit(n, 4096) for n in (1, 64, 1000, 1024, 1025, 2049)] == [1024, 1024, 1024, 1024, 2048, 4096]
     assert graph_key_limit(3000, 3100) == 3100  # never past the drafter cache
+    assert graph_key_limit(100, 600) == 600  # a small cache: its capacity
 
 
 def test_a_default_cpu_engine_runs_eagerly(tmp_path):

@@ -77,7 +77,10 @@ def test_forecast_curve_scale_and_caps():
     assert tokens[0] == 1.0 and np.all(np.diff(tokens) >= 0) and tokens[-1] <= 1 + DEPTH
     assert fc.expected_tokens([request], [16], [3])[0, 0] == 3.0  # no more than the request may take
     other = RequestForecast()
-    assert fc.expected_tokens([other], [4], [100])[0, 0] == pytest.approx(1 + request.curve[4])  # the pooled prior
+    # the pooled prior: the trees read so far, through the calibration as it is now (it learned
+    # that this drafter was right, so the same tree now promises more than when it was read)
+    pooled = fc.calibrated_curves(np.array([fixed(confident_chain())]))[0]
+    assert fc.expected_tokens([other], [4], [100])[0, 0] == pytest.approx(1 + pooled[4]) and pooled[4] > request.curve[4]
     for _ in range(10):  # this request's drafter keeps failing: its own scale falls
         observe(fc, other, confident_chain(), verified=8, accepted=[])
     assert fc.expected_tokens([other], [8], [100])[0, 0] < 1.5 < fc.expected_tokens([request], [8], [100])[0, 0]
@@ -183,3 +186,33 @@ def test_trees_that_cost_more_than_the_table_says_are_given_up():
     sizer.forced = 8
     sizer.observe_step(1, 8, seconds=100.0, tokens=8)  # the table's own measurement teaches nothing
     assert sizer.correction.ratios == seen
+
+
+def test_with_nothing_waiting_the_slowest_request_sets_the_size():
+    """A batch of a request the drafter reads well and one it reads badly, trees at 1.4 plain
+    steps: with requests queued behind them the good one's tokens pay for trees; with none queued
+    the batch ends when the bad one does, and trees bring it no sooner than plain steps. When the
+    bad one is nearly done, the good one's long rest decides again."""
+    sizer = TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 1.4, 2: 1.4, 4: 1.4, 8: 1.4, 16: 1.4}))
+    good, bad = FakeRequest(remaining=100), FakeRequest(remaining=100)
+    for _ in range(6):
+        observe(sizer.forecast, good.forecast, confident_chain(0.99), verified=16, accepted=list(range(1, 8)))
+        observe(sizer.forecast, bad.forecast, confident_chain(0.3), verified=16, accepted=[])
+    assert sizer.choose(1, [good, bad], 0.0, 0) > 0
+    assert sizer.choose(1, [good, bad], 0.0, 0, finishing=True) == 0
+    bad.remaining = 2
+    assert sizer.choose(1, [good, bad], 0.0, 0, finishing=True) > SIZES[0]  # a tree on its merits, not a probe
+
+
+def test_the_pooled_prior_follows_the_calibration_at_once():
+    """Requests with no tree of their own are forecast from recent trees read through the
+    calibration as it is now: once the drafter is shown wrong, a new request expects little."""
+    fc = AcceptanceForecast(SIZES[-1], DEPTH)
+    first = RequestForecast()
+    observe(fc, first, confident_chain(0.95), verified=16, accepted=list(range(1, 8)))
+    fresh = RequestForecast()
+    hopeful = fc.expected_tokens([fresh], [16], [100])[0, 0]
+    assert hopeful > 5
+    for _ in range(30):
+        observe(fc, RequestForecast(), confident_chain(0.95), verified=16, accepted=[])
+    assert fc.expected_tokens([fresh], [16], [100])[0, 0] < 1.5 < hopeful

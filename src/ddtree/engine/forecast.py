@@ -82,8 +82,30 @@ class AcceptanceForecast:
         self.info_nodes, self.max_depth = info_nodes, max_depth
         self.smoothing, self.scale_decay, self.scale_shrink = smoothing, scale_decay, scale_shrink
         self.calibration = Calibration()
-        self.pooled_curve: np.ndarray | None = None  # the prior of a request with no tree read yet
+        # the prior of a request with no tree read yet: the recent trees' path log-probs, read
+        # through the calibration as it is now (not as it was when they were read)
+        self._recent = np.full((self.RECENT_TREES, info_nodes), NO_NODE, dtype=np.int64)
+        self._recent_count = 0
+        self._pooled: tuple = (-1, None)  # (version computed at, curve)
         self.version = 0  # bumped by every observe (the pooled curve changes)
+
+    RECENT_TREES = 64
+
+    @property
+    def pooled_curve(self) -> np.ndarray | None:
+        """float64 [info_nodes + 1]: a typical recent tree's calibrated expected accepted nodes at
+        each size (None before any tree was read)."""
+        if not self._recent_count:
+            return None
+        if self._pooled[0] != self.version:
+            rows = self._recent[: min(self._recent_count, self.RECENT_TREES)]
+            self._pooled = (self.version, self.calibrated_curves(rows).mean(0))
+        return self._pooled[1]
+
+    def calibrated_curves(self, path_fixed: np.ndarray) -> np.ndarray:
+        """float64 [R, n + 1]: calibrated expected accepted nodes of the first 0 .. n nodes."""
+        rates = np.where(path_fixed != NO_NODE, self.calibration.rates()[self.calibration.bins(path_fixed)], 0.0)
+        return np.concatenate([np.zeros((len(path_fixed), 1)), np.cumsum(rates, axis=1)], axis=1)
 
     def observe(self, forecasts: list[RequestForecast], path_fixed: np.ndarray, verified: int, accepted: np.ndarray,
                 accept_len: np.ndarray) -> None:
@@ -94,8 +116,7 @@ class AcceptanceForecast:
         r, n = path_fixed.shape
         bins = self.calibration.bins(path_fixed)
         present = path_fixed != NO_NODE
-        rates = np.where(present, self.calibration.rates()[bins], 0.0)
-        curves = np.concatenate([np.zeros((r, 1)), np.cumsum(rates, axis=1)], axis=1)  # [R, n + 1]
+        curves = self.calibrated_curves(path_fixed)  # [R, n + 1]
         in_tree = np.minimum(verified, present.sum(1))  # [R]
         nodes = accepted[:, 1:]  # [R, D]: accepted tree nodes, 1-based
         took = (np.arange(1, nodes.shape[1] + 1)[None, :] < accept_len[:, None]) & (nodes >= 1) & (nodes <= in_tree[:, None])
@@ -111,8 +132,9 @@ class AcceptanceForecast:
             forecast.decode_seconds = 0.0
             forecast.version += 1
         self.version += 1
-        mean = curves.mean(0)
-        self.pooled_curve = mean if self.pooled_curve is None else 0.9 * self.pooled_curve + 0.1 * mean
+        rows = path_fixed[-self.RECENT_TREES :]
+        self._recent[(self._recent_count + r - len(rows) + np.arange(len(rows))) % self.RECENT_TREES] = rows
+        self._recent_count += r
         verified_nodes = np.arange(n)[None, :] < in_tree[:, None]
         self.calibration.observe(bins[verified_nodes], was_accepted[verified_nodes], trees=r)
 

@@ -39,12 +39,17 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device, dtype: torch.d
     return bool(cuda_graphs)
 
 
+MIN_KEY_BOUND = 1024  # contexts shorter than this share one graph per shape
+
+
 def graph_key_limit(key_limit: int | None, capacity: int) -> int | None:
-    """The drafter key bound a graphed round uses: the next power of two >= key_limit (at most the
-    capacity), so that a growing context needs a new graph only when its length doubles."""
+    """The drafter key bound a graphed round uses: the next power of two >= key_limit, at least
+    MIN_KEY_BOUND and at most the capacity, so that a growing context needs a new graph only when
+    its length doubles, and short ones none at all (each new graph is an eager round and a capture
+    on the request path; reading up to 1024 keys costs the drafter little more than reading 64)."""
     if key_limit is None:
         return None
-    bound = 64
+    bound = MIN_KEY_BOUND
     while bound < key_limit:
         bound *= 2
     return min(bound, capacity)

@@ -3,7 +3,10 @@
 For every batch bucket, `bucket` requests of random prompt tokens fill slots 0 .. bucket - 1 and
 the engine steps them with the tree size forced, one size after another (0: plain decode steps);
 each (bucket, size) gets the median wall time of its steps after a warm-up that compiles the
-kernels and captures the round's CUDA graph. A step's wall time in steady state is what a user
+kernels and captures the round's CUDA graphs: the plain steps' warm-up runs long enough to append
+the rows they set aside for the drafter twice, and a tree's starts with plain steps before trees
+twice (a tree after plain steps appends them first), so that these rounds' graphs are captured
+here and not on the request path. A step's wall time in steady state is what a user
 waits for per round: the device's round, or the host's work when that is longer (overlap on),
 graph launches included. The stand-ins teach the acceptance forecast nothing, and they leave:
 their slots, pages and statistics are gone when the measurement returns.
@@ -19,6 +22,7 @@ import uuid
 import torch
 
 from .costs import RoundCosts
+from .batch import PENDING_ROWS
 from .pages import pages_for
 from .sampling import SamplingParams
 from .scheduling import bucket_for
@@ -53,7 +57,7 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     if warmup < 3 or repeats < 1 or passes < 1:
         raise ValueError(f"need warmup >= 3 (compile, capture, first replay), repeats >= 1 and passes >= 1, "
                          f"got {warmup}, {repeats}, {passes}")
-    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, warmup + repeats)
+    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + repeats)
     if fit < 1:
         raise ValueError(f"the KV cache (num_pages={engine.blocks.num_pages} of {engine.page_size} slots) cannot hold "
                          f"one stand-in request to measure round costs ({prefix} + {new_tokens} tokens)")
@@ -115,18 +119,26 @@ def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: 
                                f"(num_pages={engine.blocks.num_pages}) to measure a batch of {len(prompts)}")
         times, tokens = [], []
         last = time.perf_counter()
-        for _ in range(warmup + repeats):
+        for forced in _warm_sizes(size, warmup) + [size] * repeats:
+            sizer.forced = forced
             outputs = engine.step()
             now = time.perf_counter()
             times.append(now - last)
             tokens.append(sum(len(o.new_token_ids) for o in outputs))
             last = now
-        return statistics.median(times[warmup:]), statistics.mean(tokens[warmup:])
+        return statistics.median(times[-repeats:]), statistics.mean(tokens[-repeats:])
     finally:
         sizer.forced = None
         for request_id in ids:
             engine.abort(request_id)
         engine.drain()
+
+
+def _warm_sizes(size: int, warmup: int) -> list[int]:
+    """The forced sizes of a shape's warm-up steps (see the module's docstring)."""
+    if size == 0:
+        return [0] * max(warmup, 2 * PENDING_ROWS + 1)
+    return [0, size, 0, size] + [size] * warmup
 
 
 def _bar(total: int, enabled: bool | None):

@@ -105,7 +105,7 @@ class TreeSizer:
     def _drop_lookups(self) -> None:
         """Forget what was looked up in the table (it changed)."""
         self._rows: dict = {}  # (bucket, floor) -> the candidates' costs, as looked up in the table
-        self._expected: tuple = (None, None)  # (key, batch's expected tokens per candidate)
+        self._expected: tuple = (None, None)  # (key, each request's expected tokens per candidate)
 
     @property
     def info_nodes(self) -> int:
@@ -134,21 +134,30 @@ class TreeSizer:
             self.costs.merge(table)
             self._drop_lookups()
 
-    def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int) -> int:
+    def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int, finishing: bool = False) -> int:
         """The round's size for `auto` requests (engine Requests with a .forecast) in a batch whose
-        other requests need at least `floor` nodes and are expected to commit `fixed_tokens`."""
+        other requests need at least `floor` nodes and are expected to commit `fixed_tokens`.
+        finishing: no request waits for a slot, so the batch ends when its slowest request does:
+        the size that brings the auto request with the most rounds still ahead (its remaining
+        tokens over its expected tokens a round) soonest to its end, rather than the most tokens
+        a second (a slot freed early would stand empty)."""
         if self.forced is not None:
             return max(self.forced, floor)
         candidates, seconds, stand_in_tokens = self._row(bucket, floor)
         smallest_tree = next(s for s in candidates if s > 0)
-        expected = self._expected_tokens(auto, candidates)
-        if seconds is None or expected is None:
+        per_request = self._expected_tokens(auto, candidates)
+        if seconds is None or per_request is None:
             size = smallest_tree  # nothing measured or nothing known: the cheapest tree that teaches
         else:
-            tokens = fixed_tokens + expected
+            tokens = fixed_tokens + per_request.sum(0)
             seconds = self._predicted(seconds, tokens, stand_in_tokens)
             seconds *= [self.correction.ratio(bucket, s) for s in candidates]
-            size = best_size(candidates, seconds.tolist(), tokens.tolist())
+            if finishing:
+                remaining = np.array([max(1, r.remaining_tokens()) for r in auto], dtype=np.float64)
+                slowest = (per_request / remaining[:, None]).min(0)  # share of its rest each size commits
+                size = best_size(candidates, seconds.tolist(), slowest.tolist())
+            else:
+                size = best_size(candidates, seconds.tolist(), tokens.tolist())
             if size == 0:
                 size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
             elif floor == 0:
@@ -202,15 +211,15 @@ class TreeSizer:
         return probe_size if due else 0
 
     def _expected_tokens(self, auto: list, candidates: list[int]) -> np.ndarray | None:
-        """float64 [len(candidates)]: the requests' expected tokens per round summed, reused while
-        no forecast changed (most plain steps)."""
+        """float64 [len(auto), len(candidates)]: each request's expected tokens per round, reused
+        while no forecast changed (most plain steps)."""
         cap = self.forecast.max_depth + 2
         key = (tuple(candidates), self.forecast.version,
                tuple((id(r.forecast), r.forecast.version, min(r.remaining_tokens(), cap)) for r in auto))
         if self._expected[0] != key:
             expected = self.forecast.expected_tokens([r.forecast for r in auto], candidates,
                                                      [r.remaining_tokens() for r in auto])
-            self._expected = (key, None if expected is None else expected.sum(0))
+            self._expected = (key, expected)
         return self._expected[1]
 
     def _measured_bucket(self, bucket: int) -> int:

@@ -106,6 +106,9 @@ def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | Non
            "round_ms": 1e3 * sum(sum(v for k, v in o.stats.stage_seconds.items() if k != "prefill") for o in outs)
            / max(1, len(rounds)),
            "eager_rounds": None if graphs is None else graphs.eager_rounds - eager}
+    if budget == "auto":  # what the sizer learned real steps cost over the table: (bucket, size) -> ratio
+        ratios = work.engine.sizer.correction.ratios
+        row["cost_ratios"] = {f"{b}:{'trees' if s < 0 else s}": [round(r, 3), n] for (b, s), (r, n) in sorted(ratios.items())}
     print(f"  {label:22s} {row['decode_tokens_per_s']:9.1f} decode tokens/s ({row['tokens_per_s']:.1f} with prefill), "
           f"acceptance {row['mean_acceptance_length']:.2f}, mean size {row['mean_tree_size']:.1f}, "
           f"equal to ar {row['equal_to_ar']}", flush=True)

@@ -325,7 +325,7 @@ class Engine(OfflineGeneration):
         start = time.perf_counter()
         since, self._last_read = self._last_read, start
         seconds = flight.timer.seconds()
-        outputs, auto, slots, tokens = [], [], [], 0
+        outputs, auto, slots = [], [], []
         for request in flight.requests:
             if not self._live(request):
                 continue  # it ended (or was aborted) after this round was launched
@@ -333,7 +333,6 @@ class Engine(OfflineGeneration):
             accepted = row[0]
             request.prefix_len += accepted
             kept = request.commit(row[1 : 1 + accepted])
-            tokens += len(kept)
             experts = row[2 + self.max_depth : 2 + self.max_depth + self.moe_layers] if flight.plan.experts else None
             request.stats.add_round(len(kept), min(request.node_limit, flight.plan.budget), seconds, experts)
             if request.auto:
@@ -342,10 +341,8 @@ class Engine(OfflineGeneration):
             outputs.append(self._finish_or_stream(request, kept))
         if auto and self.sizer.forced is None:
             self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
-        if self.sizer is not None:
-            self.sizer.host.add(time.perf_counter() - start, tokens)
-            if auto and since is not None:  # one step's wall time: this read since the last one
-                self.sizer.observe_step(flight.plan.bucket, flight.plan.budget, start - since, tokens)
+        if auto and since is not None:  # one step's wall time: this read since the last one
+            self.sizer.observe_step(flight.plan.bucket, flight.plan.budget, start - since)
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> StepOutput:

@@ -50,8 +50,8 @@ class Calibration:
         """Verified nodes of `trees` trees: their bins and whether each was accepted (bool, same length)."""
         self.verified *= self.decay**trees
         self.accepted *= self.decay**trees
-        np.add.at(self.verified, bins, 1.0)
-        np.add.at(self.accepted, bins[accepted], 1.0)
+        self.verified += np.bincount(bins, minlength=self.BINS)
+        self.accepted += np.bincount(bins[accepted], minlength=self.BINS)
 
 
 @dataclass
@@ -102,9 +102,11 @@ class AcceptanceForecast:
             self._pooled = (self.version, self.calibrated_curves(rows).mean(0))
         return self._pooled[1]
 
-    def calibrated_curves(self, path_fixed: np.ndarray) -> np.ndarray:
-        """float64 [R, n + 1]: calibrated expected accepted nodes of the first 0 .. n nodes."""
-        rates = np.where(path_fixed != NO_NODE, self.calibration.rates()[self.calibration.bins(path_fixed)], 0.0)
+    def calibrated_curves(self, path_fixed: np.ndarray, bins: np.ndarray | None = None) -> np.ndarray:
+        """float64 [R, n + 1]: calibrated expected accepted nodes of the first 0 .. n nodes (bins:
+        calibration.bins(path_fixed), when already at hand)."""
+        bins = self.calibration.bins(path_fixed) if bins is None else bins
+        rates = np.where(path_fixed != NO_NODE, self.calibration.rates()[bins], 0.0)
         return np.concatenate([np.zeros((len(path_fixed), 1)), np.cumsum(rates, axis=1)], axis=1)
 
     def observe(self, forecasts: list[RequestForecast], path_fixed: np.ndarray, verified: int, accepted: np.ndarray,
@@ -116,7 +118,7 @@ class AcceptanceForecast:
         r, n = path_fixed.shape
         bins = self.calibration.bins(path_fixed)
         present = path_fixed != NO_NODE
-        curves = self.calibrated_curves(path_fixed)  # [R, n + 1]
+        curves = self.calibrated_curves(path_fixed, bins)  # [R, n + 1]
         in_tree = np.minimum(verified, present.sum(1))  # [R]
         nodes = accepted[:, 1:]  # [R, D]: accepted tree nodes, 1-based
         took = (np.arange(1, nodes.shape[1] + 1)[None, :] < accept_len[:, None]) & (nodes >= 1) & (nodes <= in_tree[:, None])
@@ -142,7 +144,7 @@ class AcceptanceForecast:
         """float64 [R, len(sizes)]: tokens a round of each tree size is expected to commit for each
         request (1 + expected accepted nodes; size 0 is a plain step: 1), at most `remaining` [R]
         (what each may still take). None when nothing is known of some request (no tree read at all)."""
-        pooled = self.pooled_curve
+        pooled = self.pooled_curve if any(f.curve is None for f in forecasts) else None  # only when needed
         if pooled is None and any(f.curve is None for f in forecasts):
             return None
         curves = np.stack([pooled if f.curve is None else f.curve for f in forecasts])  # [R, n + 1]

@@ -32,7 +32,7 @@ def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPla
     budget = max((r.node_limit for r in fixed), default=0)
     if auto:
         expected = sum(r.stats.mean_acceptance_length or 1.0 for r in fixed)
-        budget = engine.sizer.choose(bucket, auto, expected, budget, finishing=not engine.num_waiting)
+        budget = engine.sizer.choose(bucket, auto, expected, budget)
     info = engine.sizer.info_nodes if auto and budget > 0 else 0
     trees = [r.budget for r in fixed if r.mode == "ddtree"] + ([info] if info else [])
     k = min(max(trees), engine.target.cfg.vocab_size) if trees else 1

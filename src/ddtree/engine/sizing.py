@@ -7,12 +7,11 @@ request's expected tokens at each size (engine/forecast.py). A verify's padding 
 real rows cost (they are routed like any other row), so a request in a round of size n takes all
 n nodes. The choice is host arithmetic on values already read back: no new synchronization.
 
-A step's host work (committing, detokenizing, streaming) grows with the tokens it commits, and the
-table was measured on stand-ins that commit few: a candidate's cost is the table's plus the
-host's measured seconds per committed token (HostCost) times the tokens it would commit beyond
-what the stand-ins did. What real steps then cost beyond that prediction (a MoE target's real
-trees touch more experts than stand-ins' do) is learned from the engine's own steps
-(costs.StepCorrection) and multiplies the prediction.
+The table was measured on stand-ins, and real steps can cost more or less: a MoE target's real
+trees touch more experts than stand-ins' do, and the host's work (committing, detokenizing,
+streaming) grows with the tokens a step commits, hidden behind the device's round while it is
+shorter (overlap) and adding to it past that. How far real steps are from the table is learned
+from the engine's own steps (costs.StepCorrection) and multiplies the table's seconds.
 
 A request kept on plain steps learns nothing new about its drafter, so now and then it probes:
 once the plain steps it took since its last tree cost `wait` times what one probe round (the
@@ -57,21 +56,6 @@ def tree_sizer(tree_sizes: tuple[int, ...], max_budget: int, max_depth: int, rou
     return TreeSizer(sizes, max_depth, round_costs)
 
 
-class HostCost:
-    """Host seconds per committed token, from the engine's collect of every round (decayed sums)."""
-
-    def __init__(self, decay: float = 0.98):
-        self.decay, self.seconds, self.tokens = decay, 0.0, 0.0
-
-    def add(self, seconds: float, tokens: int) -> None:
-        self.seconds = self.decay * self.seconds + seconds
-        self.tokens = self.decay * self.tokens + tokens
-
-    @property
-    def per_token(self) -> float:
-        return self.seconds / self.tokens if self.tokens else 0.0
-
-
 class TreeSizer:
     """Chooses the size of each round that holds "auto" requests; learns from what rounds commit."""
 
@@ -88,7 +72,6 @@ class TreeSizer:
         self.wait_prior = first_wait  # where a new request's wait starts: the latest wait set
         self.forecast = AcceptanceForecast(self.info_nodes, max_depth)
         self.forced: int | None = None  # a fixed size for every round (cost measurement)
-        self.host = HostCost()
         self.skipped: set[int] = set()  # buckets the KV cache could not measure (nearest measured one used)
         self.failure: str | None = None  # why no measurement could run (then: the smallest tree)
 
@@ -134,30 +117,20 @@ class TreeSizer:
             self.costs.merge(table)
             self._drop_lookups()
 
-    def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int, finishing: bool = False) -> int:
+    def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int) -> int:
         """The round's size for `auto` requests (engine Requests with a .forecast) in a batch whose
-        other requests need at least `floor` nodes and are expected to commit `fixed_tokens`.
-        finishing: no request waits for a slot, so the batch ends when its slowest request does:
-        the size that brings the auto request with the most rounds still ahead (its remaining
-        tokens over its expected tokens a round) soonest to its end, rather than the most tokens
-        a second (a slot freed early would stand empty)."""
+        other requests need at least `floor` nodes and are expected to commit `fixed_tokens`."""
         if self.forced is not None:
             return max(self.forced, floor)
-        candidates, seconds, stand_in_tokens = self._row(bucket, floor)
+        candidates, seconds = self._row(bucket, floor)
         smallest_tree = next(s for s in candidates if s > 0)
         per_request = self._expected_tokens(auto, candidates)
         if seconds is None or per_request is None:
             size = smallest_tree  # nothing measured or nothing known: the cheapest tree that teaches
         else:
             tokens = fixed_tokens + per_request.sum(0)
-            seconds = self._predicted(seconds, tokens, stand_in_tokens)
-            seconds *= [self.correction.ratio(bucket, s) for s in candidates]
-            if finishing:
-                remaining = np.array([max(1, r.remaining_tokens()) for r in auto], dtype=np.float64)
-                slowest = (per_request / remaining[:, None]).min(0)  # share of its rest each size commits
-                size = best_size(candidates, seconds.tolist(), slowest.tolist())
-            else:
-                size = best_size(candidates, seconds.tolist(), tokens.tolist())
+            seconds = seconds * [self.correction.ratio(bucket, s) for s in candidates]
+            size = best_size(candidates, seconds.tolist(), tokens.tolist())
             if size == 0:
                 size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
             elif floor == 0:
@@ -169,21 +142,14 @@ class TreeSizer:
                 r.forecast.decode_seconds = 0.0  # a tree is coming back: no probe until it is read
         return size
 
-    def _predicted(self, seconds, tokens, stand_in_tokens):
-        """The table's seconds plus the host's work on the tokens a step commits beyond what the
-        stand-ins committed (at least half the table's)."""
-        return np.maximum(seconds + (tokens - stand_in_tokens) * self.host.per_token, 0.5 * seconds)
-
-    def observe_step(self, bucket: int, size: int, seconds: float, tokens: int) -> None:
-        """A real step of `size` at `bucket` took `seconds` of wall time and committed `tokens`:
-        teach the correction how far the table's prediction was off."""
+    def observe_step(self, bucket: int, size: int, seconds: float) -> None:
+        """A real step of `size` at `bucket` took `seconds` of wall time: teach the correction how
+        far the table was off."""
         if self.forced is not None or self.costs is None:
             return
-        candidates, table, stand_in = self._row(bucket, 0)
-        if table is None or size not in candidates:
-            return
-        i = candidates.index(size)
-        self.correction.observe(bucket, size, seconds, float(self._predicted(table[i], tokens, stand_in[i])))
+        candidates, table = self._row(bucket, 0)
+        if table is not None and size in candidates:
+            self.correction.observe(bucket, size, seconds, float(table[candidates.index(size)]))
 
     def learn(self, requests: list, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
         """Read a tree round's result (int64 [bucket, round.result_width]) for its "auto" requests
@@ -227,20 +193,19 @@ class TreeSizer:
         measured = self.costs.buckets()
         return bucket if bucket in measured else min((b for b in measured if b > bucket), default=max(measured))
 
-    def _row(self, bucket: int, floor: int) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
-        """(the sizes a round may take above `floor`, their seconds at `bucket` and the tokens the
-        stand-ins committed), from the nearest measured bucket (the next larger first) when this
-        one was not measured; no seconds without a table."""
+    def _row(self, bucket: int, floor: int) -> tuple[list[int], np.ndarray | None]:
+        """(the sizes a round may take above `floor`, their seconds at `bucket`), from the nearest
+        measured bucket (the next larger first) when this one was not measured; no seconds
+        without a table."""
         key = (bucket, floor)
         if key not in self._rows:
             candidates = sorted({s for s in self.sizes if s >= floor} | {floor})
-            seconds = tokens = None
+            seconds = None
             if self.costs is not None and self.costs.seconds:
                 use = self._measured_bucket(bucket)
                 try:
                     seconds = np.array([self.costs.cost(use, s) for s in candidates])
-                    tokens = np.array([self.costs.tokens_per_step(use, s) for s in candidates])
                 except KeyError:
                     pass
-            self._rows[key] = (candidates, seconds, tokens)
+            self._rows[key] = (candidates, seconds)
         return self._rows[key]

@@ -101,11 +101,12 @@ def combine(paths: list[Path], out_dir: Path | None) -> Path:
                         "auto_over_best_min_replay": min(replay) if replay else None,
                         "auto_over_ar_min": min(f["bars"]["auto_over_ar_min"] for f in files)},
                "files": [{"path": str(p), "pair": f["pair"], "gpu": f["environment"]["gpu"], "date": f["environment"]["date"],
+                          "commit": f["environment"]["commit"],
                           "bars": {k: v for k, v in f["bars"].items() if k != "per_batch"}} for p, f in zip(paths, files)]}
     # the GPU the files were measured on (it names the output); date, commit and command of this summary
     summary["environment"] = {**files[0]["environment"], **{k: v for k, v in environment().items()
                                                            if k in ("date", "commit", "command")}}
     text = "## Bars\n\n" + "\n".join(f"- {k}: {'-' if v is None else f'{v:.3f}'}" for k, v in summary["bars"].items())
-    text += "\n\n" + markdown_table(["file", "pair", "bars"], [[Path(f["path"]).name, f["pair"], json.dumps(
+    text += "\n\n" + markdown_table(["file", "pair", "commit", "bars"], [[Path(f["path"]).name, f["pair"], f["commit"], json.dumps(
         {k: round(v, 3) for k, v in f["bars"].items()})] for f in summary["files"]])
     return write_results("auto_budget", summary, text, out_dir or RESULTS_DIR)

@@ -15,6 +15,13 @@ HAS_CUDA = torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """Round-cost tables the commands keep (ddtree/cost_cache.py) go to a folder of the test's
+    own, never the user's (and none kept by another test or run is read)."""
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path / "ddtree-cache"))
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -70,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--budget", type=budget, default="auto",
                      help="tree nodes per round (ddtree), or auto: chosen each round by measured cost")
     gen.add_argument("--round-costs", default=None, help="a round-cost table from `ddtree profile` "
-                     "(default: measured before the first round)")
+                     "(default: the one kept from an earlier run for this pair and device, else measured "
+                     "before the first round and kept; ddtree/cost_cache.py)")
+    gen.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -114,6 +116,11 @@ def generate(args) -> None:
     _log_engine_events()
 
     engine = load_engine(args, round_costs=args.round_costs)
+    kept = None
+    if args.round_costs is None and args.mode == "ddtree" and args.budget == "auto":
+        from .cost_cache import load_cached_costs, table_path
+
+        kept = table_path(engine.signature) if args.fresh_costs else load_cached_costs(engine)
     if engine.tokenizer is None:
         raise ValueError(f"{args.target or 'the demo pair'} has no tokenizer: text prompts cannot be encoded")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -147,6 +154,7 @@ def generate(args) -> None:
 
     if not args.json:
         sys.stdout.write(args.prompts[0])
+    measured = None if kept is None or engine.sizer.costs is None else engine.sizer.costs.buckets()
     while engine.has_unfinished():
         for out in engine.step():
             buffered[out.request_id] += out.new_text or ""
@@ -154,6 +162,10 @@ def generate(args) -> None:
                 done.add(out.request_id)
         show()
     show()
+    if kept is not None and engine.sizer.costs is not None and engine.sizer.costs.buckets() != measured:
+        from .cost_cache import save_cached_costs
+
+        save_cached_costs(engine, kept)  # what this run measured, for the next one
 
 
 def load_engine(args, **engine_args):

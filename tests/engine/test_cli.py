@@ -102,3 +102,30 @@ def test_profile_writes_a_table_that_generate_reads(pair, tmp_path, capsys):
                "--dtype", "bfloat16", "x"])
     err = capsys.readouterr().err
     assert rc == 1 and "was measured for dtype = 'float32', but this engine has 'bfloat16'" in err
+
+
+def test_generate_keeps_the_round_costs_it_measured(pair, capsys, monkeypatch):
+    """The first auto generate measures the table and keeps it; the next one for the same pair and
+    device loads it and measures nothing; --fresh-costs measures again; a kept file that cannot
+    be read is a warning and measured over."""
+    import ddtree.engine.engine as engine_module
+    from ddtree.cost_cache import cache_dir
+
+    target, drafter = pair
+    argv = ["generate", "--target", target, "--drafter", drafter, "--device", "cpu", "--max-batch", "2",
+            "--max-budget", "8", "--json", "--max-new-tokens", "6", "a", "b"]
+    assert main(argv) == 0
+    kept = list((cache_dir() / "round_costs").glob("*.json"))
+    assert len(kept) == 1 and sorted(json.loads(kept[0].read_text())["seconds"]) == ["1", "2"]
+    first = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+
+    measure = engine_module.measure_round_costs
+    calls = []
+    monkeypatch.setattr(engine_module, "measure_round_costs", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    assert main(argv) == 0
+    assert calls == [] and [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()] == first
+    assert main([*argv, "--fresh-costs"]) == 0 and calls == [1]
+    kept[0].write_text("{not json")
+    assert main(argv) == 0 and calls == [1, 1]
+    assert "ignoring the cached round costs" in capsys.readouterr().err
+    assert json.loads(kept[0].read_text())["format"] == "ddtree.round_costs/1"  # measured over

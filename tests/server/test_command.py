@@ -15,6 +15,7 @@ import pytest
 
 import ddtree.demo
 from ddtree.cli import main
+from ddtree.cost_cache import cache_dir
 
 
 def _free_port() -> int:
@@ -49,7 +50,10 @@ def test_serve_runs_a_server_until_interrupted(pairs):
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0
-    assert f"http://127.0.0.1:{port}/v1" in proc.stderr.read()
+    err = proc.stderr.read()
+    assert f"http://127.0.0.1:{port}/v1" in err
+    kept = list((cache_dir() / "round_costs").glob("*.json"))  # measured at start-up and kept for the next
+    assert len(kept) == 1 and f"(kept in {kept[0]})" in err
 
 
 def _serve(pairs, *extra) -> tuple[subprocess.Popen, str]:

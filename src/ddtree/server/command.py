@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..cli import _positive, add_pair_arguments, budget, load_engine
+from ..cost_cache import load_cached_costs, save_cached_costs, table_path
 from .auth import ENV_VAR, api_keys
 
 _positive_int = _positive(int)
@@ -40,7 +41,9 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
     p.add_argument("--budget", type=budget, default="auto", help="default tree budget (ddtree: {budget}): "
                    "auto (each round's size chosen by measured cost) or nodes per round")
     p.add_argument("--round-costs", default=None, help="a round-cost table from `ddtree profile` (default: "
-                   "measured at start-up, before the server is ready)")
+                   "the one kept from an earlier run for this pair and device, with what it lacks measured at "
+                   "start-up, before the server is ready, and kept)")
+    p.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
     p.add_argument("--max-queue", type=_positive_int, default=256,
                    help="requests waiting for a batch slot before new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=_positive_int, default=2 << 20, help="larger request bodies get 413")
@@ -110,10 +113,15 @@ def serve(args) -> int:
     engine = load_engine(args, round_costs=args.round_costs)
     if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
         start = time.perf_counter()
+        kept = None
+        if args.round_costs is None:
+            kept = table_path(engine.signature) if args.fresh_costs else load_cached_costs(engine)
         try:
             engine.measure_round_costs(progress=True)
+            save_cached_costs(engine, kept)
             print(f"ddtree serve: round costs for batches up to {engine.max_batch} ready in "
-                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+                  f"{time.perf_counter() - start:.1f} s" + (f" (kept in {kept})" if kept else ""),
+                  file=sys.stderr, flush=True)
         except (ValueError, RuntimeError) as err:  # fixed budgets and ar work without them
             engine.sizer.failure = str(err)
             print(f"ddtree serve: warning: round costs could not be measured ({err}); budget auto takes the "

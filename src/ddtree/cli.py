@@ -8,11 +8,27 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """--help names each option's default, unless its text already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsShown)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, no usage dump
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
@@ -26,6 +42,32 @@ def _positive(kind):
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its error
     return parse
+
+
+def _at_least_zero(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _at_least_zero_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+for _parse in (_at_least_zero, _probability):
+    _parse.__name__ = "float"  # argparse names the type in its error
+_at_least_zero_int.__name__ = "int"
 
 
 def budget(text: str):
@@ -47,11 +89,12 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                    "default: the demo pair shipped in the package (a small Python coder and its drafter)")
     p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--max-batch", type=_positive(int), default=32, help="requests in the running batch")
     p.add_argument("--max-model-len", type=_positive(int), default=None, help="prompt + completion tokens per request")
     p.add_argument("--num-pages", type=_positive(int), default=None, help="KV cache pages (default: sized from memory)")
-    p.add_argument("--page-size", type=_positive(int), default=64)
+    p.add_argument("--page-size", type=_positive(int), default=64, help="KV cache slots per page")
     p.add_argument("--max-budget", type=_positive(int), default=256,
                    help="the largest tree budget a request may ask (auto's sizes, 1 to 64, stay within it)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
@@ -61,23 +104,27 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="ddtree", description="DDTree speculative decoding for MLA mixture-of-experts models.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"ddtree {__version__}")
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{generate,serve,profile}")
     gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
     gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer)")
     add_pair_arguments(gen)
-    gen.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree")
+    gen.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree",
+                     help="ar: plain decoding; chain: DFlash's argmax chain; ddtree: a tree a round")
     gen.add_argument("--budget", type=budget, default="auto",
                      help="tree nodes per round (ddtree), or auto: chosen each round by measured cost")
     gen.add_argument("--round-costs", default=None, help="a round-cost table from `ddtree profile` "
                      "(default: the one kept from an earlier run for this pair and device, else measured "
                      "before the first round and kept; ddtree/cost_cache.py)")
     gen.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--max-new-tokens", type=_positive(int), default=128)
+    gen.add_argument("--temperature", type=_at_least_zero, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    gen.add_argument("--top-k", type=_at_least_zero_int, default=0, help="0: no top-k cut")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one, reported)")
+    gen.add_argument("--max-new-tokens", type=_positive(int), default=128, help="tokens to generate per prompt")
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     from .profile_command import add_profile_command
@@ -181,6 +228,17 @@ def load_engine(args, **engine_args):
         **engine_args)
 
 
+def _quiet_transformers() -> None:
+    """transformers' own warnings (a prompt past the tokenizer's model_max_length, say) would print
+    before ddtree's one-line error or in the middle of the streamed text; ddtree checks lengths
+    against max_model_len itself."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+
+
 def _log_engine_events() -> None:
     """The engine's own progress lines (CUDA-graph captures) to stderr, beside the statistics."""
     log = logging.getLogger("ddtree.engine")
@@ -191,9 +249,39 @@ def _log_engine_events() -> None:
         log.setLevel(logging.INFO)
 
 
+def check_before_loading(args) -> str | None:
+    """What is wrong with the arguments that needs no model to find (the device, the directories,
+    a budget past --max-budget), as one line; None when nothing is."""
+    device = args.device
+    if device is not None:
+        import torch
+
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            return f"--device {device}: not a device (cuda, cuda:N or cpu)"
+        if kind not in ("cuda", "cpu"):
+            return f"--device {device}: ddtree runs on cuda or cpu"
+        if kind == "cuda" and not torch.cuda.is_available():
+            return f"--device {device}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
+        if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
+            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices"
+    for flag in ("target", "drafter"):
+        path = getattr(args, flag, None)
+        if path is not None and not Path(path).is_dir():
+            return f"--{flag} {path}: no such directory"
+    budget_ = getattr(args, "budget", None)
+    if isinstance(budget_, int) and budget_ > args.max_budget:
+        return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `ddtree`: what there is to do
+        parser.print_help(sys.stderr)
+        return 2
     if args.drafter is not None and args.target is None:  # generate and serve
         sys.stderr.write(f"ddtree {args.command}: error: --drafter needs --target DIR (without both: the demo pair)\n")
         return 2
@@ -204,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stderr.write(f"ddtree {args.command}: error: --mode {mode} needs --drafter DIR (or use --mode ar)\n")
         return 2
+    problem = check_before_loading(args)
+    if problem is not None:
+        sys.stderr.write(f"ddtree {args.command}: error: {problem}\n")
+        return 2
+    _quiet_transformers()
     try:
         if args.command == "generate":
             generate(args)

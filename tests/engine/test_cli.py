@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -44,11 +45,18 @@ def test_json_records_equal_across_modes(pair, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--target", "/nonexistent/dir", "--mode", "ar", "x"], "ddtree: error: no config.json in /nonexistent/dir"),
+    (["--target", "/nonexistent/dir", "--mode", "ar", "x"], "--target /nonexistent/dir: no such directory"),
+    (["--target", "{target}", "--drafter", "/nonexistent/d", "p"], "--drafter /nonexistent/d: no such directory"),
+    (["--device", "mps", "p"], "--device mps: ddtree runs on cuda or cpu"),
+    (["--device", "banana", "p"], "--device banana: not a device"),
+    (["--budget", "512", "p"], "--budget 512 is above --max-budget 256"),
+    (["--temperature", "-1", "p"], "argument --temperature: must be >= 0"),
+    (["--top-k", "-2", "p"], "argument --top-k: must be >= 0"),
     (["--target", "{target}", "--budget", "x", "p"], 'argument --budget: must be "auto" or an int > 0, got x'),
     (["--target", "{target}", "--max-new-tokens", "0", "p"], "argument --max-new-tokens: must be > 0"),
     (["--target", "{target}", "p"], "--mode ddtree needs --drafter DIR"),
-    (["--target", "{target}", "--drafter", "{drafter}", "--device", "cpu", "--top-p", "2", "p"], "top_p must be in (0, 1]"),
+    (["--target", "{target}", "--drafter", "{drafter}", "--device", "cpu", "--top-p", "2", "p"],
+     "argument --top-p: must be in (0, 1], got 2"),
     (["--target", "{target}", "--drafter", "{target}", "--device", "cpu", "p"], "drafter config.json lacks"),
     (["--target", "{target}", "--drafter", "{drafter}", "--device", "cpu", "--max-model-len", "16", "x" * 40],
      "exceeds max_model_len=16"),
@@ -65,7 +73,7 @@ def test_errors_are_one_line(pair, argv, message, capsys):
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
-def test_python_dash_m_runs_the_same_command(pair):
+def test_python_dash_m_runs_the_same_command(pair, tmp_path_factory):
     target, _ = pair
     run = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--target", target, "--device", "cpu",
                           "--mode", "ar", "--max-new-tokens", "4", "--json", "abc"], capture_output=True, text=True,
@@ -74,7 +82,11 @@ def test_python_dash_m_runs_the_same_command(pair):
     assert len(json.loads(run.stdout)["token_ids"]) <= 4
     bad = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--target", "/nonexistent", "--mode", "ar", "x"],
                          capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and bad.stderr.strip() == "ddtree: error: no config.json in /nonexistent"
+    assert bad.returncode == 2 and bad.stderr.strip() == "ddtree generate: error: --target /nonexistent: no such directory"
+    empty = tmp_path_factory.mktemp("empty")  # a directory, but no model in it
+    bad = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--target", str(empty), "--mode", "ar", "x"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip() == f"ddtree: error: no config.json in {empty}"
 
 
 @pytest.mark.parametrize("flag,want", [([], None), (["--cuda-graphs"], True), (["--no-cuda-graphs"], False)])
@@ -129,3 +141,29 @@ def test_generate_keeps_the_round_costs_it_measured(pair, capsys, monkeypatch):
     assert main(argv) == 0 and calls == [1, 1]
     assert "ignoring the cached round costs" in capsys.readouterr().err
     assert json.loads(kept[0].read_text())["format"] == "ddtree.round_costs/1"  # measured over
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_cuda_without_cuda_is_one_line_before_anything_loads():
+    run = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--device", "cuda", "x"], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr.strip().startswith("ddtree generate: error: --device cuda: this torch has no CUDA device")
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_version_bare_command_and_defaults_in_help(capsys):
+    from ddtree import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"ddtree {__version__}"
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ddtree") and "generate" in err and "serve" in err and "profile" in err
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("ddtree: a tree a round (default: ddtree)", "(default: auto)", "per prompt (default: 128)",
+                  "(default: 0.0)", "(default: 256)"):
+        assert shown in text, shown

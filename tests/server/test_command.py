@@ -158,3 +158,17 @@ def test_serve_port_zero_is_accepted():
     from ddtree.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--port", "0"]).port == 0
+
+
+def test_serve_port_in_use_or_a_foreign_host_is_one_line_before_loading(tmp_path, capsys):
+    nothing = ["--target", str(tmp_path), "--mode", "ar"]  # no model there: reaching the load would say so
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", *nothing, "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"ddtree: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert main(["serve", *nothing, "--host", "no-such-host.invalid"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--host no-such-host.invalid: not an address of this machine" in err

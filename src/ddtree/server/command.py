@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import socket
 import sys
 import time
 from pathlib import Path
@@ -92,6 +93,22 @@ def _metadata(engine, dtype) -> dict:
             "num_pages": blocks.num_pages, "versions": versions}
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raise one OSError line if (host, port) cannot be listened on (a port in use, an address
+    this machine does not have), before minutes go into loading the model."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise OSError(f"--host {host}: not an address of this machine ({err.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+
+
 def serve(args) -> int:
     """Run the server until interrupted; returns the exit code. Errors loading the checkpoints
     propagate (ddtree's main prints them as one line). ddtree's main has checked --target /
@@ -107,6 +124,7 @@ def serve(args) -> int:
     from .shutdown import DrainingServer
 
     keys = api_keys(args.api_key)  # before the model loads: a bad key is a one-line error at once
+    check_listen(args.host, args.port)
     limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)

@@ -8,107 +8,19 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
+
+from .arguments import (Parser, add_pair_arguments, at_least_zero, at_least_zero_int, budget,
+                        check_before_loading, positive, probability)
 
 STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")
-
-
-class _DefaultsShown(argparse.HelpFormatter):
-    """--help names each option's default, unless its text already says it or there is none."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if "default" in text or unset or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _DefaultsShown)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):  # one line, no usage dump
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        sys.exit(2)
-
-
-def _positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in its error
-    return parse
-
-
-def _at_least_zero(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _at_least_zero_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-for _parse in (_at_least_zero, _probability):
-    _parse.__name__ = "float"  # argparse names the type in its error
-_at_least_zero_int.__name__ = "int"
-
-
-def budget(text: str):
-    """A --budget value: "auto" or a positive int."""
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f'must be "auto" or an int > 0, got {text}')
-    return value
-
-
-def add_pair_arguments(p: argparse.ArgumentParser) -> None:
-    """--target / --drafter and how to load them: shared by generate, serve and profile."""
-    p.add_argument("--target", help="target model directory (config.json + safetensors); "
-                   "default: the demo pair shipped in the package (a small Python coder and its drafter)")
-    p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                   help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--max-batch", type=_positive(int), default=32, help="requests in the running batch")
-    p.add_argument("--max-model-len", type=_positive(int), default=None, help="prompt + completion tokens per request")
-    p.add_argument("--num-pages", type=_positive(int), default=None, help="KV cache pages (default: sized from memory)")
-    p.add_argument("--page-size", type=_positive(int), default=64, help="KV cache slots per page")
-    p.add_argument("--max-budget", type=_positive(int), default=256,
-                   help="the largest tree budget a request may ask (auto's sizes, 1 to 64, stay within it)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
-                        "--no-cuda-graphs to debug)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = _Parser(prog="ddtree", description="DDTree speculative decoding for MLA mixture-of-experts models.")
+    parser = Parser(prog="ddtree", description="DDTree speculative decoding for MLA mixture-of-experts models.")
     parser.add_argument("--version", action="version", version=f"ddtree {__version__}")
-    commands = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="{generate,serve,profile}")
+    commands = parser.add_subparsers(dest="command", parser_class=Parser, metavar="{generate,serve,profile}")
     gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
     gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer)")
     add_pair_arguments(gen)
@@ -120,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: the one kept from an earlier run for this pair and device, else measured "
                      "before the first round and kept; ddtree/cost_cache.py)")
     gen.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
-    gen.add_argument("--temperature", type=_at_least_zero, default=0.0, help="0: greedy")
-    gen.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    gen.add_argument("--top-k", type=_at_least_zero_int, default=0, help="0: no top-k cut")
+    gen.add_argument("--temperature", type=at_least_zero, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    gen.add_argument("--top-k", type=at_least_zero_int, default=0, help="0: no top-k cut")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one, reported)")
-    gen.add_argument("--max-new-tokens", type=_positive(int), default=128, help="tokens to generate per prompt")
+    gen.add_argument("--max-new-tokens", type=positive(int), default=128, help="tokens to generate per prompt")
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     from .profile_command import add_profile_command
@@ -247,33 +159,6 @@ def _log_engine_events() -> None:
         handler.setFormatter(logging.Formatter("ddtree: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-
-
-def check_before_loading(args) -> str | None:
-    """What is wrong with the arguments that needs no model to find (the device, the directories,
-    a budget past --max-budget), as one line; None when nothing is."""
-    device = args.device
-    if device is not None:
-        import torch
-
-        try:
-            kind = torch.device(device).type
-        except RuntimeError:
-            return f"--device {device}: not a device (cuda, cuda:N or cpu)"
-        if kind not in ("cuda", "cpu"):
-            return f"--device {device}: ddtree runs on cuda or cpu"
-        if kind == "cuda" and not torch.cuda.is_available():
-            return f"--device {device}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
-        if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
-            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices"
-    for flag in ("target", "drafter"):
-        path = getattr(args, flag, None)
-        if path is not None and not Path(path).is_dir():
-            return f"--{flag} {path}: no such directory"
-    budget_ = getattr(args, "budget", None)
-    if isinstance(budget_, int) and budget_ > args.max_budget:
-        return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from .cli import _positive, add_pair_arguments, load_engine
+from .arguments import add_pair_arguments, positive
+from .cli import load_engine
 
 
 def add_profile_command(commands):
@@ -13,9 +14,9 @@ def add_profile_command(commands):
                             "--round-costs)")
     add_pair_arguments(p)
     p.add_argument("--out", required=True, help="the JSON file to write")
-    p.add_argument("--prefix", type=_positive(int), default=None,
+    p.add_argument("--prefix", type=positive(int), default=None,
                    help="prompt tokens of each stand-in request (default: min(256, max_model_len / 4))")
-    p.add_argument("--repeats", type=_positive(int), default=6, help="timed steps per shape and pass (median)")
+    p.add_argument("--repeats", type=positive(int), default=6, help="timed steps per shape and pass (median)")
     return p
 
 

@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import _positive, add_pair_arguments, budget, load_engine
+from ..arguments import add_pair_arguments, budget, positive
+from ..cli import load_engine
 from ..cost_cache import load_cached_costs, save_cached_costs, table_path
 from .auth import ENV_VAR, api_keys
 
-_positive_int = _positive(int)
+_positive_int = positive(int)
 
 
 def _port(text: str) -> int:
@@ -61,13 +62,13 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
     ops.add_argument("--max-prompt-tokens", type=_positive_int, default=None, help="longer prompts get 400")
     ops.add_argument("--max-streams", type=_positive_int, default=None,
                      help="streamed responses open at once (more: 429 + Retry-After)")
-    ops.add_argument("--request-timeout", type=_positive(float), default=None,
+    ops.add_argument("--request-timeout", type=positive(float), default=None,
                      help="seconds from acceptance to the last token; then the request is stopped (504)")
-    ops.add_argument("--body-timeout", type=_positive(float), default=30.0,
+    ops.add_argument("--body-timeout", type=positive(float), default=30.0,
                      help="seconds to receive a request body (408 after)")
-    ops.add_argument("--send-timeout", type=_positive(float), default=30.0,
+    ops.add_argument("--send-timeout", type=positive(float), default=30.0,
                      help="a stream whose client reads nothing this long is aborted")
-    ops.add_argument("--drain-seconds", type=_positive(float), default=30.0,
+    ops.add_argument("--drain-seconds", type=positive(float), default=30.0,
                      help="on SIGTERM / SIGINT: how long running requests may finish before they are failed")
     return p
 

@@ -1,0 +1,125 @@
+"""The commands' arguments: value parsers that name what was wrong in one line, the pair flags
+that generate, serve and profile share, and the checks that need no model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """--help names each option's default, unless its text already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsShown)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):  # one line, no usage dump
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def at_least_zero(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def at_least_zero_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+for _parse in (at_least_zero, probability):
+    _parse.__name__ = "float"  # argparse names the type in its error
+at_least_zero_int.__name__ = "int"
+
+
+def budget(text: str):
+    """A --budget value: "auto" or a positive int."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f'must be "auto" or an int > 0, got {text}')
+    return value
+
+
+def add_pair_arguments(p: argparse.ArgumentParser) -> None:
+    """--target / --drafter and how to load them: shared by generate, serve and profile."""
+    p.add_argument("--target", help="target model directory (config.json + safetensors); "
+                   "default: the demo pair shipped in the package (a small Python coder and its drafter)")
+    p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--max-batch", type=positive(int), default=32, help="requests in the running batch")
+    p.add_argument("--max-model-len", type=positive(int), default=None, help="prompt + completion tokens per request")
+    p.add_argument("--num-pages", type=positive(int), default=None, help="KV cache pages (default: sized from memory)")
+    p.add_argument("--page-size", type=positive(int), default=64, help="KV cache slots per page")
+    p.add_argument("--max-budget", type=positive(int), default=256,
+                   help="the largest tree budget a request may ask (auto's sizes, 1 to 64, stay within it)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own code (Kimi K2)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
+                        "--no-cuda-graphs to debug)")
+
+
+def check_before_loading(args) -> str | None:
+    """What is wrong with the arguments that needs no model to find (the device, the directories,
+    a budget past --max-budget), as one line; None when nothing is."""
+    device = args.device
+    if device is not None:
+        import torch
+
+        try:
+            kind = torch.device(device).type
+        except RuntimeError:
+            return f"--device {device}: not a device (cuda, cuda:N or cpu)"
+        if kind not in ("cuda", "cpu"):
+            return f"--device {device}: ddtree runs on cuda or cpu"
+        if kind == "cuda" and not torch.cuda.is_available():
+            return f"--device {device}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
+        if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
+            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices"
+    for flag in ("target", "drafter"):
+        path = getattr(args, flag, None)
+        if path is not None and not Path(path).is_dir():
+            return f"--{flag} {path}: no such directory"
+    budget_ = getattr(args, "budget", None)
+    if isinstance(budget_, int) and budget_ > args.max_budget:
+        return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"
+    return None

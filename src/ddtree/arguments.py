@@ -78,16 +78,24 @@ def budget(text: str):
     return value
 
 
-def add_pair_arguments(p: argparse.ArgumentParser) -> None:
-    """--target / --drafter and how to load them: shared by generate, serve and profile."""
+def add_pair_arguments(p: argparse.ArgumentParser, sized_to_prompts: bool = False) -> None:
+    """--target / --drafter and how to load them: shared by generate, serve and profile.
+    sized_to_prompts (generate): the batch and the request length default to what the prompts need."""
     p.add_argument("--target", help="target model directory (config.json + safetensors); "
                    "default: the demo pair shipped in the package (a small Python coder and its drafter)")
     p.add_argument("--drafter", help="DFlash drafter directory (needed for modes chain / ddtree with --target)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="default: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--max-batch", type=positive(int), default=32, help="requests in the running batch")
-    p.add_argument("--max-model-len", type=positive(int), default=None, help="prompt + completion tokens per request")
+    if sized_to_prompts:
+        p.add_argument("--max-batch", type=positive(int), default=None,
+                       help="requests in the running batch (default: the prompts' count, at most 32)")
+        p.add_argument("--max-model-len", type=positive(int), default=None, help="prompt + completion tokens per "
+                       "request (default: the longest prompt + --max-new-tokens, at least 1024, within the model's positions)")
+    else:
+        p.add_argument("--max-batch", type=positive(int), default=32, help="requests in the running batch")
+        p.add_argument("--max-model-len", type=positive(int), default=None, help="prompt + completion tokens per "
+                       "request (default: the model's positions, at most 8192)")
     p.add_argument("--num-pages", type=positive(int), default=None, help="KV cache pages (default: sized from memory)")
     p.add_argument("--page-size", type=positive(int), default=64, help="KV cache slots per page")
     p.add_argument("--max-budget", type=positive(int), default=256,

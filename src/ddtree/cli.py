@@ -8,10 +8,12 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from .arguments import (Parser, add_pair_arguments, at_least_zero, at_least_zero_int, budget,
                         check_before_loading, positive, probability)
 
+MEASURED_LENGTH = 1024  # what the round-cost stand-ins run in (engine/profiling.py: 256 + 657 tokens)
 STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")
 
 
@@ -23,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", parser_class=Parser, metavar="{generate,serve,profile}")
     gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
     gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer)")
-    add_pair_arguments(gen)
+    add_pair_arguments(gen, sized_to_prompts=True)
     gen.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree",
                      help="ar: plain decoding; chain: DFlash's argmax chain; ddtree: a tree a round")
     gen.add_argument("--budget", type=budget, default="auto",
@@ -74,6 +76,7 @@ def generate(args) -> None:
 
     _log_engine_events()
 
+    size_to_prompts(args)
     engine = load_engine(args, round_costs=args.round_costs)
     kept = None
     if args.round_costs is None and args.mode == "ddtree" and args.budget == "auto":
@@ -85,6 +88,7 @@ def generate(args) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
     ids = [engine.add_request(p, params, mode=args.mode, budget=args.budget) for p in args.prompts]
+    print(f"ddtree: {cache_line(engine)}", file=sys.stderr, flush=True)  # after the prompts passed their checks
     # All prompts run as one batch; the text streams in prompt order (later prompts are shown
     # from a buffer once the ones before them have finished).
     buffered = {rid: "" for rid in ids}
@@ -125,6 +129,38 @@ def generate(args) -> None:
         from .cost_cache import save_cached_costs
 
         save_cached_costs(engine, kept)  # what this run measured, for the next one
+
+
+def size_to_prompts(args) -> None:
+    """generate's defaults: a batch of the prompts' count (at most 32) and requests as long as the
+    longest prompt (counted with the target's tokenizer) plus --max-new-tokens, within the model's
+    positions (and at least 1024 tokens): the KV cache then holds what the command needs, not a
+    server's share of memory."""
+    if args.max_batch is None:
+        args.max_batch = min(len(args.prompts), 32)
+    if args.max_model_len is not None:
+        return
+    from .demo import demo_pair
+    from .engine.loading import load_tokenizer
+
+    target = Path(args.target or demo_pair()[0])
+    tokenizer = load_tokenizer(target, args.trust_remote_code)
+    if tokenizer is None:
+        return  # the engine says that text prompts need a tokenizer
+    config = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else {}
+    limit = min(config.get("max_position_embeddings", 8192), 8192)
+    longest = max(len(tokenizer(p)["input_ids"]) for p in args.prompts)
+    # at least MEASURED_LENGTH: room for the round-cost measurement's stand-ins to keep running
+    args.max_model_len = min(max(longest + args.max_new_tokens, MEASURED_LENGTH), limit)
+
+
+def cache_line(engine) -> str:
+    """What the KV cache holds, for the start-up line."""
+    pages, size = engine.blocks.num_pages, engine.page_size
+    mib = sum(c.numel() * c.element_size() for c in engine.caches) / 2**20
+    requests = f"{engine.max_batch} request" + ("s" if engine.max_batch > 1 else "")
+    return (f"KV cache of {pages} pages x {size} slots ({pages * size} tokens, {mib:.0f} MiB) for up to "
+            f"{requests} of {engine.max_model_len} tokens")
 
 
 def load_engine(args, **engine_args):

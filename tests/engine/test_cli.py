@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +168,20 @@ def test_version_bare_command_and_defaults_in_help(capsys):
     for shown in ("ddtree: a tree a round (default: ddtree)", "(default: auto)", "per prompt (default: 128)",
                   "(default: 0.0)", "(default: 256)"):
         assert shown in text, shown
+
+
+def test_generate_sizes_its_cache_to_the_prompts(pair, capsys):
+    """Without --max-batch / --max-model-len, generate holds a batch of its prompts and requests of
+    the longest prompt + --max-new-tokens (at least 1024 tokens, within the model's positions), and
+    says so in one start-up line; given flags win."""
+    target, drafter = pair
+    limit = min(json.loads((Path(target) / "config.json").read_text())["max_position_embeddings"], 8192)
+    common = ["generate", "--target", target, "--drafter", drafter, "--device", "cpu", "--json", "--page-size", "8",
+              "--max-budget", "8", "--max-new-tokens", "4"]
+    assert main([*common, "a", "bc", "d"]) == 0
+    line = capsys.readouterr().err.splitlines()[0]
+    width = -(-(min(1024, limit) + 8 + 1) // 8)  # pages a request may need: its length and one verify
+    assert line == (f"ddtree: KV cache of {3 * width} pages x 8 slots ({3 * width * 8} tokens, "
+                    f"{line.split('tokens, ')[1].split(' MiB')[0]} MiB) for up to 3 requests of {min(1024, limit)} tokens")
+    assert main([*common, "--max-batch", "5", "--max-model-len", "40", "a"]) == 0
+    assert "for up to 5 requests of 40 tokens" in capsys.readouterr().err.splitlines()[0]

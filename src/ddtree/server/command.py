@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..arguments import add_pair_arguments, budget, positive
-from ..cli import load_engine
+from ..cli import cache_line, load_engine
 from ..cost_cache import load_cached_costs, save_cached_costs, table_path
 from .auth import ENV_VAR, api_keys
 
@@ -130,6 +130,7 @@ def serve(args) -> int:
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
     engine = load_engine(args, round_costs=args.round_costs)
+    print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
     if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
         start = time.perf_counter()
         kept = None

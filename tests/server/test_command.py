@@ -40,6 +40,8 @@ def test_serve_runs_a_server_until_interrupted(pairs):
                 time.sleep(0.2)
         assert health is not None, proc.stderr.read() if proc.poll() is not None else "no /health in 120 s"
         assert (health["model"], health["default_budget"], health["max_budget"]) == ("target", 4, 8)
+        if not os.environ.get("OMP_NUM_THREADS"):  # a core left to the event loop
+            assert health["cpu_threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "ab", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["ddtree"]["budget"] == 4
     finally:

@@ -185,3 +185,12 @@ def test_generate_sizes_its_cache_to_the_prompts(pair, capsys):
                     f"{line.split('tokens, ')[1].split(' MiB')[0]} MiB) for up to 3 requests of {min(1024, limit)} tokens")
     assert main([*common, "--max-batch", "5", "--max-model-len", "40", "a"]) == 0
     assert "for up to 5 requests of 40 tokens" in capsys.readouterr().err.splitlines()[0]
+
+
+def test_a_prompt_past_the_context_is_one_line_without_the_tokenizers_warning():
+    """The demo pair's tokenizer warns about a prompt past its model_max_length; ddtree's own
+    check says the same in its one line, and the warning does not print before it."""
+    run = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--device", "cpu", "x = 1\n" * 2000],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert run.stderr.strip() == "ddtree: error: prompt (7999 tokens) + max_new_tokens (128) exceeds max_model_len=4096"

@@ -114,14 +114,14 @@ def check_before_loading(args) -> str | None:
         import torch
 
         try:
-            kind = torch.device(device).type
+            parsed = torch.device(device)
         except RuntimeError:
             return f"--device {device}: not a device (cuda, cuda:N or cpu)"
-        if kind not in ("cuda", "cpu"):
+        if parsed.type not in ("cuda", "cpu"):
             return f"--device {device}: ddtree runs on cuda or cpu"
-        if kind == "cuda" and not torch.cuda.is_available():
+        if parsed.type == "cuda" and not torch.cuda.is_available():
             return f"--device {device}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
-        if kind == "cuda" and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
+        if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
             return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices"
     for flag in ("target", "drafter"):
         path = getattr(args, flag, None)

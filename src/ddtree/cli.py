@@ -80,9 +80,9 @@ def generate(args) -> None:
     engine = load_engine(args, round_costs=args.round_costs)
     kept = None
     if args.round_costs is None and args.mode == "ddtree" and args.budget == "auto":
-        from .cost_cache import load_cached_costs, table_path
+        from .cost_cache import load_cached_costs
 
-        kept = table_path(engine.signature) if args.fresh_costs else load_cached_costs(engine)
+        kept = load_cached_costs(engine, fresh=args.fresh_costs)
     if engine.tokenizer is None:
         raise ValueError(f"{args.target or 'the demo pair'} has no tokenizer: text prompts cannot be encoded")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -33,15 +33,16 @@ def table_path(signature: dict) -> Path:
     return cache_dir() / "round_costs" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
-def load_cached_costs(engine) -> Path | None:
-    """Give the engine's sizer the cached table, if there is one; returns the cache file (None
-    for an engine without tree rounds). A file that cannot be read is measured over."""
+def load_cached_costs(engine, fresh: bool = False) -> Path | None:
+    """Give the engine's sizer the cached table, if there is one and not `fresh`; returns the
+    cache file to keep the table in (None for an engine without tree rounds). A file that cannot
+    be read is measured over."""
     if engine.sizer is None:
         return None
     from .engine.costs import RoundCosts
 
     path = table_path(engine.signature)
-    if path.exists():
+    if not fresh and path.exists():
         try:
             engine.sizer.add_costs(RoundCosts.load(path, engine.signature))
         except (OSError, ValueError) as err:

@@ -44,8 +44,8 @@ def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool, pag
 class RoundCosts:
     """seconds[bucket][size]: the median wall time of one engine step with `bucket` requests all
     running rounds of `size` tree nodes (0: a plain decode step); tokens[bucket][size]: the tokens
-    those steps committed, on average (the host's work grows with them: TreeSizer corrects for
-    the tokens a real step commits). signature: pair_signature of the engine it was measured on;
+    those steps committed, on average (a record of how the table was measured; the sizer does not
+    read it). signature: pair_signature of the engine it was measured on;
     details: how it was measured (prefix length, repeats, date)."""
 
     signature: dict
@@ -149,9 +149,9 @@ class StepCorrection:
     (bucket, size) and, for tree rounds, per bucket over all tree sizes: a tree size not observed
     yet takes the ratio of the trees seen. A plain step not observed yet keeps the table's cost:
     the table measured it as it runs (no tree to differ), and a tree observed dear must not make
-    plain steps look dear too, or they would never be tried. Each is a running mean over its first observations, then an exponential
-    average; one step's ratio is clamped to `limits` so a stall (a page fault, a collection) moves
-    it little."""
+    plain steps look dear too, or they would never be tried. Each is a running mean over its
+    first observations, then an exponential average; one step's ratio is clamped to `limits` so
+    a stall (a page fault, a collection) moves it little."""
 
     ANY_TREE = -1
 

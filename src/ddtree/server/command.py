@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..arguments import add_pair_arguments, budget, positive
 from ..cli import cache_line, load_engine
-from ..cost_cache import load_cached_costs, save_cached_costs, table_path
+from ..cost_cache import load_cached_costs, save_cached_costs
 from .auth import ENV_VAR, api_keys
 
 _positive_int = positive(int)
@@ -149,9 +149,7 @@ def serve(args) -> int:
     print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
     if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
         start = time.perf_counter()
-        kept = None
-        if args.round_costs is None:
-            kept = table_path(engine.signature) if args.fresh_costs else load_cached_costs(engine)
+        kept = load_cached_costs(engine, fresh=args.fresh_costs) if args.round_costs is None else None
         try:
             engine.measure_round_costs(progress=True)
             save_cached_costs(engine, kept)

@@ -16,10 +16,12 @@ prompts run in groups of B, one generate call per group, so every configuration 
 prefills) them the same way. Every configuration runs a warm-up pass of the same groups
 (--warmup-new tokens, by default as many as the timed pass: kernels compiled, graphs captured for
 the contexts the timed pass reaches, auto's forecast learned, as in a server that has been up a
-while), then --passes timed passes, of which the median is reported. tokens/s: generated tokens
-over the wall time of the pass; decode tokens/s leaves out the first token and the wall time of
-the same groups at max_new_tokens = 1 (their prefill). The bars use decode tokens/s. `ar` runs first and again
-last: the two show the run-to-run spread.
+while); then the --passes timed passes run in rotation (one of each configuration, then the next),
+so that the machine's drift during the run falls on every configuration alike, and each reports
+its median pass. Each auto configuration keeps what its sizer learned to itself. tokens/s:
+generated tokens over the wall time of the pass; decode tokens/s leaves out the first token and
+the wall time of the same groups at max_new_tokens = 1 (their prefill). The bars use decode
+tokens/s.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import gc
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -48,12 +51,12 @@ PROMPTS_PER_BATCH = {1: 16, 8: 32, 32: 64}  # demo pair: B = 1 runs 16 prompts o
 
 
 def configs(budgets: list[int], wrong: bool) -> list[tuple[str, str, object]]:
-    """(label, mode, budget) in run order; `ar` again at the end."""
+    """(label, mode, budget) in run order."""
     rows = [("ar", "ar", 1), ("chain", "chain", 1)] + [(f"ddtree {b}", "ddtree", b) for b in budgets]
     rows.append(("auto", "ddtree", "auto"))
     if wrong:
         rows.append(("auto, wrong drafter", "ddtree", "auto"))
-    return rows + [("ar (again)", "ar", 1)]
+    return rows
 
 
 class Workload:
@@ -86,12 +89,40 @@ class Workload:
         return seconds, outs
 
 
-def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | None, prefill_s: float) -> dict:
-    work.run(mode, budget, new=work.warmup_new)  # warm-up pass
-    graphs = work.engine.graphs
-    eager = graphs.eager_rounds if graphs is not None else None
-    passes = sorted((work.run(mode, budget) for _ in range(work.passes)), key=lambda p: p[0])
-    seconds, outs = passes[len(passes) // 2]  # the median pass (the slower middle one of an even count)
+class AutoState:
+    """What the sizer learns, kept apart per auto configuration (entered around each of its passes):
+    the interleaved passes of auto and of auto with the always-wrong drafter must not teach each
+    other. wrong: the replay drafter is wrong during the passes."""
+
+    def __init__(self, engine: Engine, replay, wrong: bool):
+        sizer = engine.sizer
+        self.sizer, self.replay, self.wrong = sizer, replay, wrong
+        self.saved = (type(sizer.forecast)(sizer.info_nodes, sizer.forecast.max_depth), type(sizer.correction)(),
+                      sizer.first_wait)
+
+    def __enter__(self):
+        sizer = self.sizer
+        self.outside = (sizer.forecast, sizer.correction, sizer.wait_prior)
+        sizer.forecast, sizer.correction, sizer.wait_prior = self.saved
+        if self.replay is not None:
+            self.replay.wrong = self.wrong
+
+    def __exit__(self, *exc):
+        sizer = self.sizer
+        self.saved = (sizer.forecast, sizer.correction, sizer.wait_prior)
+        sizer.forecast, sizer.correction, sizer.wait_prior = self.outside
+        if self.replay is not None:
+            self.replay.wrong = False
+
+    @property
+    def ratios(self) -> dict:
+        return self.saved[1].ratios
+
+
+def summarize(work: Workload, label: str, mode: str, budget, passes: list, eager: int | None, ar_tokens: list,
+              prefill_s: float, ratios: dict | None) -> dict:
+    """One configuration's row from its timed passes [(seconds, outputs)], the median one reported."""
+    seconds, outs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]  # the slower middle one of an even count
     tokens = sum(len(o.token_ids) for o in outs)
     rounds = [n for o in outs for n in o.stats.acceptance_lengths]
     sizes = [s for o in outs for s in o.stats.tree_sizes]
@@ -101,13 +132,12 @@ def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | Non
            "mean_acceptance_length": sum(rounds) / max(1, len(rounds)), "rounds": len(rounds),
            "tree_rounds": sum(s > 0 for s in sizes), "mean_tree_size": sum(sizes) / max(1, len(sizes)),
            "size_histogram": {str(s): sizes.count(s) for s in sorted(set(sizes))},
-           "equal_to_ar": None if ar_tokens is None else sum(o.token_ids == a for o, a in zip(outs, ar_tokens)),
+           "equal_to_ar": sum(o.token_ids == a for o, a in zip(outs, ar_tokens)),
            # the device's time per round (CUDA events around each round; each request counts its rounds)
            "round_ms": 1e3 * sum(sum(v for k, v in o.stats.stage_seconds.items() if k != "prefill") for o in outs)
            / max(1, len(rounds)),
-           "eager_rounds": None if graphs is None else graphs.eager_rounds - eager}
-    if budget == "auto":  # what the sizer learned real steps cost over the table: (bucket, size) -> ratio
-        ratios = work.engine.sizer.correction.ratios
+           "eager_rounds": eager}
+    if ratios is not None:  # what the sizer learned real steps cost over the table: (bucket, size) -> ratio
         row["cost_ratios"] = {f"{b}:{'trees' if s < 0 else s}": [round(r, 3), n] for (b, s), (r, n) in sorted(ratios.items())}
     print(f"  {label:22s} {row['decode_tokens_per_s']:9.1f} decode tokens/s ({row['tokens_per_s']:.1f} with prefill), "
           f"acceptance {row['mean_acceptance_length']:.2f}, mean size {row['mean_tree_size']:.1f}, "
@@ -116,6 +146,8 @@ def measure(work: Workload, label: str, mode: str, budget, ar_tokens: list | Non
 
 
 def run_batch(engine: Engine, work: Workload, batch: int, budgets: list[int], wrong: bool) -> list[dict]:
+    """Every configuration's warm-up pass, then the timed passes in rotation (pass 1 of each, then
+    pass 2 of each, ...), so that a drift of the machine's speed during the run falls on all alike."""
     start = time.perf_counter()
     costs = engine.measure_round_costs(prefix=work.prefix)
     print(f"B={batch}: round costs measured in {time.perf_counter() - start:.1f} s", flush=True)
@@ -124,15 +156,29 @@ def run_batch(engine: Engine, work: Workload, batch: int, budgets: list[int], wr
     _, ar_outs = work.run("ar", 1)
     ar_tokens = [o.token_ids for o in ar_outs]
     work.set_continuations(ar_outs)
-    rows = []
-    for label, mode, budget in configs(budgets, wrong):
-        wrong_drafter = label.endswith("wrong drafter")
-        if wrong_drafter:  # a fresh forecast: what auto does from the start with a useless drafter
-            work.replay.wrong = True
-            engine.sizer.forget()
-        rows.append(measure(work, label, mode, budget, ar_tokens, prefill_s))
-        if wrong_drafter:
-            work.replay.wrong = False
+    plan = configs(budgets, wrong)
+    states = {label: AutoState(engine, work.replay, label.endswith("wrong drafter"))
+              for label, _, budget in plan if budget == "auto"}
+    graphs = engine.graphs
+    eager = dict.fromkeys((label for label, _, _ in plan), 0)
+    passes: dict[str, list] = {label: [] for label, _, _ in plan}
+
+    def one_pass(label: str, mode: str, budget, timed: bool) -> None:
+        with states.get(label) or nullcontext():
+            before = graphs.eager_rounds if graphs is not None else 0
+            result = work.run(mode, budget, new=None if timed else work.warmup_new)
+        if timed:
+            passes[label].append(result)
+            eager[label] += (graphs.eager_rounds if graphs is not None else 0) - before
+
+    for label, mode, budget in plan:
+        one_pass(label, mode, budget, timed=False)
+    for _ in range(work.passes):
+        for label, mode, budget in plan:
+            one_pass(label, mode, budget, timed=True)
+    rows = [summarize(work, label, mode, budget, passes[label], None if graphs is None else eager[label], ar_tokens,
+                      prefill_s, states[label].ratios if label in states else None)
+            for label, mode, budget in plan]
     for row in rows:
         row.update(batch=batch, prefill_seconds=prefill_s)
     rows[0]["round_costs_ms"] = {str(b): {str(s): t * 1e3 for s, t in r.items()} for b, r in costs.seconds.items()}

@@ -14,10 +14,10 @@ for part in "$@"; do
              | tee "$out/cuda_tests.log" | tail -15 ;;
     tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \
             --out-dir /tmp/tiny 2>&1 | grep -A3 "Bars\|^  " ;;
-    demo) python3 benchmarks/auto_budget.py --pair demo --passes 3 --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;
-    moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --warmup-new 32 --out-dir "$out" 2>&1 \
+    demo) python3 benchmarks/auto_budget.py --pair demo --passes 5 --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;
+    moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \
                  | tee "$out/moonlight.log" | grep -v "^|" ;;
-    kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --out-dir "$out" 2>&1 \
+    kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \
             | tee "$out/kimi.log" | grep -v "^|" ;;
     sync) python3 dev/scalar_write_sync.py 2>&1 | tee "$out/scalar_write_sync.log" ;;
     steps) python3 dev/demo_step_profile.py --batch 8 --configs ar,1 ddtree,32 ddtree,auto 2>&1 \

@@ -73,7 +73,7 @@ def test_replayed_rounds_rank_the_truth_as_recorded(recorded):
 def test_bars_on_given_rows():
     def row(batch, config, speed):
         return {"batch": batch, "config": config, "decode_tokens_per_s": speed}
-    rows = [row(1, "ar", 100.0), row(1, "ddtree 4", 120.0), row(1, "auto", 114.0), row(1, "ar (again)", 98.0),
+    rows = [row(1, "ar", 100.0) | {"pass_seconds": [1.0, 1.02, 1.01]}, row(1, "ddtree 4", 120.0), row(1, "auto", 114.0),
             row(8, "ar", 400.0), row(8, "chain", 300.0), row(8, "auto", 396.0), row(8, "auto, wrong drafter", 380.0)]
     got = bars(rows, replay=True)
     assert got["auto_over_best_min_replay"] == pytest.approx(0.95)
@@ -86,18 +86,42 @@ def test_the_benchmark_runs_on_the_tiny_pair(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     monkeypatch.setattr(sys, "argv", ["auto_budget.py", "--pair", "tiny", "--device", "cpu", "--batches", "1", "2",
-                                      "--budgets", "4", "--new", "12", "--prefix", "16", "--wrong", "--out-dir", str(tmp_path)])
+                                      "--budgets", "4", "--new", "12", "--prefix", "16", "--wrong", "--passes", "2",
+                                      "--out-dir", str(tmp_path)])
     try:
         auto_budget.main()
     finally:
         torch.set_num_threads(threads)
     payload = json.loads((tmp_path / "auto_budget-tiny-none-cpu.json").read_text())
     configs = [r["config"] for r in payload["rows"] if r["batch"] == 2]
-    assert configs == ["ar", "chain", "ddtree 4", "auto", "auto, wrong drafter", "ar (again)"]
+    assert configs == ["ar", "chain", "ddtree 4", "auto", "auto, wrong drafter"]
     assert all(r["equal_to_ar"] == r["requests"] and r["decode_tokens_per_s"] > 0 for r in payload["rows"])
+    assert all(len(r["pass_seconds"]) == 2 for r in payload["rows"])
     assert set(payload["bars"]) == {"auto_over_best_min_replay", "auto_over_ar_min", "per_batch"}
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return  # no plot without the bench extra
     assert (tmp_path / "auto_budget-tiny-none-cpu.png").is_file()
+
+
+def test_each_auto_configuration_learns_apart():
+    """Interleaved passes: what auto learned with the wrong drafter never reaches plain auto."""
+    from ddtree.engine.sizing import TreeSizer
+
+    engine, replay = SimpleNamespace(sizer=TreeSizer((1, 4), 3)), SimpleNamespace(wrong=False)
+    outside = engine.sizer.forecast
+    auto, wrong = auto_budget.AutoState(engine, replay, False), auto_budget.AutoState(engine, replay, True)
+    with wrong:
+        assert replay.wrong and engine.sizer.forecast is not outside
+        engine.sizer.forecast.version = 7
+        engine.sizer.correction.observe(1, 0, 2.0, 1.0)
+        engine.sizer.wait_prior = 64.0
+    assert not replay.wrong and engine.sizer.forecast is outside
+    with auto:
+        assert not replay.wrong
+        assert engine.sizer.forecast.version == 0 and engine.sizer.correction.ratios == {}
+        assert engine.sizer.wait_prior == engine.sizer.first_wait
+    with wrong:
+        assert engine.sizer.forecast.version == 7 and engine.sizer.wait_prior == 64.0
+    assert wrong.ratios == {(1, 0): (2.0, 1)} and auto.ratios == {}

@@ -226,8 +226,9 @@ def test_generate_leaves_nothing_behind_when_a_step_fails(models, monkeypatch):
 
 
 def test_the_engine_teaches_the_sizer_what_its_steps_cost(models):
-    """Every auto step's wall time reaches the sizer's correction, except the one whose interval
-    holds a prefill; fixed budgets and the cost measurement's stand-ins teach nothing."""
+    """An auto step's wall time reaches the sizer's correction when the step before it had the
+    same size (an interval after another size holds that step's tail), except the one whose
+    interval holds a prefill; fixed budgets and the cost measurement's stand-ins teach nothing."""
     engine = engine_with(models, tree_cost=2.0)
     engine.sizer.correction = StepCorrection()
     batch = prompts(1, 12, seed=3)
@@ -236,7 +237,10 @@ def test_the_engine_teaches_the_sizer_what_its_steps_cost(models):
     engine.drain()  # the round launched after the request's last: read now, not between auto steps
     out = engine.generate(batch, max_new_tokens=NEW)[0]
     exact = {key: count for key, (_, count) in engine.sizer.correction.ratios.items() if key[1] >= 0}
-    assert sum(exact.values()) == out.stats.rounds - 1  # the first read follows the admission's prefill
+    sizes = out.stats.tree_sizes
+    steady = [now for before, now in zip(sizes, sizes[1:]) if before == now]  # the first read follows the prefill
+    assert sum(exact.values()) == len(steady) and 0 < len(steady) < len(sizes) - 1
+    assert exact == {(1, s): steady.count(s) for s in set(steady)}
     assert {size for _, size in exact} <= set(out.stats.tree_sizes) and {b for b, _ in exact} == {1}
     # the table's costs are seconds, these steps milliseconds: every ratio clamps at its floor
     assert all(ratio == 0.5 for ratio, _ in engine.sizer.correction.ratios.values())

@@ -96,7 +96,8 @@ class Engine(OfflineGeneration):
         self.timer = StageTimer(self.device, time_stages)
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
-        self._last_read: float | None = None  # when the last round's result came back (None: after a gap)
+        # when the last round's result came back and its (bucket, size); None: after a gap
+        self._last_read: tuple[float, tuple[int, int]] | None = None
         use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
         self.signature = pair_signature(target, drafter, self.device, use, page_size, overlap)
@@ -323,7 +324,8 @@ class Engine(OfflineGeneration):
         """Commit what a launched round committed, for its requests still running."""
         result = flight.rows()  # the one wait for the device
         start = time.perf_counter()
-        since, self._last_read = self._last_read, start
+        shape = (flight.plan.bucket, flight.plan.budget)
+        previous, self._last_read = self._last_read, (start, shape)
         seconds = flight.timer.seconds()
         outputs, auto, slots = [], [], []
         for request in flight.requests:
@@ -341,8 +343,10 @@ class Engine(OfflineGeneration):
             outputs.append(self._finish_or_stream(request, kept))
         if auto and self.sizer.forced is None:
             self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
-        if auto and since is not None:  # one step's wall time: this read since the last one
-            self.sizer.observe_step(flight.plan.bucket, flight.plan.budget, start - since)
+        # One step's wall time: this read since the last one, when both rounds had one shape. After
+        # a step of another shape the interval also holds that step's tail and the switch.
+        if auto and previous is not None and previous[1] == shape:
+            self.sizer.observe_step(*shape, start - previous[0])
         return outputs
 
     def _emit(self, request: Request, tokens: list[int]) -> StepOutput:

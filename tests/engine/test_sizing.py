@@ -200,3 +200,27 @@ def test_the_pooled_prior_follows_the_calibration_at_once():
     for _ in range(30):
         observe(fc, RequestForecast(), confident_chain(0.95), verified=16, accepted=[])
     assert fc.expected_tokens([fresh], [16], [100])[0, 0] < 1.5 < hopeful
+
+
+def test_a_request_on_plain_steps_comes_back_to_the_pooled_forecast():
+    """One tree the drafter doubted sends a request to plain steps; the drafter's doubt was about
+    that block, so with each plain step the request's own curve counts half as much (half life
+    2 steps) and the pooled curve of everyone's trees the rest: trees return before any probe."""
+    sizer = TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0}), first_wait=64)
+    for _ in range(8):  # the others' trees: confident, and right
+        observe(sizer.forecast, RequestForecast(), confident_chain(0.95), verified=16, accepted=list(range(1, 8)))
+    request = FakeRequest()
+    observe(sizer.forecast, request.forecast, confident_chain(0.3), verified=16, accepted=[1])
+    first = sizer.forecast.expected_tokens([request.forecast], [16], [1000])[0, 0]
+    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(6)]
+    assert sizes[0] == 0 and sizes[-1] == 16  # wait 64: no probe this early
+    back = sizes.index(16)
+    assert request.forecast.plain_steps == back
+    later = sizer.forecast.expected_tokens([request.forecast], [16], [1000])[0, 0]
+    pooled = 1 + min(sizer.forecast.pooled_curve[16], DEPTH)
+    weight = 0.5 ** (back / 2)
+    scale = (request.forecast.observed + 1) / (request.forecast.predicted + 1)
+    own = weight * request.forecast.curve[16] + (1 - weight) * sizer.forecast.pooled_curve[16]
+    assert first < later < pooled and later == pytest.approx(1 + min(own * scale, DEPTH))
+    observe(sizer.forecast, request.forecast, confident_chain(0.3), verified=16, accepted=[1])
+    assert request.forecast.plain_steps == 0  # a tree read: its own curve is fresh again

@@ -169,6 +169,8 @@ class TreeSizer:
     def _probe_or_decode(self, auto: list, decode: float, probe: float, probe_size: int) -> int:
         for r in auto:
             r.forecast.decode_seconds += decode
+            r.forecast.plain_steps += 1
+            r.forecast.version += 1  # its curve goes stale
             r.forecast.wait = r.forecast.wait or self.wait_prior
         due = [r for r in auto if r.forecast.decode_seconds >= r.forecast.wait * (probe - decode)
                and r.remaining_tokens() > 1]  # a request about to end learns nothing it can use

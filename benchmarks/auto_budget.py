@@ -11,7 +11,8 @@ Real-size pairs (benchmarks/configs/) are round_setup's successor targets with a
 drafter wrapped in replay_drafter.ReplayDrafter: the demo pair's recorded rounds replayed on the
 target's greedy continuation. --wrong adds `auto` with a drafter that is always wrong.
 
-Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up. The
+Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up
+(the buckets an earlier B's engine measured are taken from it, as a kept table would be). The
 prompts run in groups of B, one generate call per group, so every configuration admits (and
 prefills) them the same way. Every configuration runs a warm-up pass of the same groups
 (--warmup-new tokens, by default as many as the timed pass: kernels compiled, graphs captured for
@@ -188,7 +189,8 @@ def run_batch(engine: Engine, work: Workload, batch: int, budgets: list[int], wr
 def demo_workloads(args, device):
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     for batch in args.batches:
-        engine = Engine.from_pretrained(device=device, max_batch=batch, max_budget=max(args.budgets))
+        engine = Engine.from_pretrained(device=device, max_batch=batch, max_budget=max(args.budgets),
+                                        round_costs=args.round_costs)
         chosen = prompts[: PROMPTS_PER_BATCH.get(batch, 4 * batch)]
         groups = [chosen[i : i + batch] for i in range(0, len(chosen), batch)]
         yield batch, engine, Workload(engine, groups, args.new)
@@ -210,7 +212,7 @@ def replay_workloads(args, device):
         replay = ReplayDrafter(drafter, batch, max_len + 64)
         pages = batch * pages_for(max_len + max(args.budgets) + 1, 64) + 1
         engine = Engine(target, replay, max_batch=batch, max_model_len=max_len, max_budget=max(args.budgets),
-                        num_pages=pages, stop_token_ids=())
+                        num_pages=pages, stop_token_ids=(), round_costs=args.round_costs)
         yield batch, engine, Workload(engine, groups, args.new, replay, args.prefix)
         del engine, replay
         gc.collect()
@@ -242,9 +244,11 @@ def main() -> None:
         torch.set_flush_denormal(True)
     workloads = demo_workloads(args, device) if args.pair == "demo" else replay_workloads(args, device)
     rows = []
+    args.round_costs = None  # each B's engine measures only the buckets the ones before it did not
     for batch, engine, work in workloads:
         work.warmup_new, work.passes = args.warmup_new or args.new, args.passes
         rows += run_batch(engine, work, batch, args.budgets, args.wrong)
+        args.round_costs = engine.sizer.costs
     name = args.pair + (f"-{args.layers}l" if args.layers else "")
     payload = {"environment": env, "pair": name, "device": str(device), "new_tokens": args.new,
                "batches": args.batches, "budgets": args.budgets, "rows": rows, "warmup_new": args.warmup_new or args.new,

@@ -224,3 +224,19 @@ def test_a_request_on_plain_steps_comes_back_to_the_pooled_forecast():
     assert first < later < pooled and later == pytest.approx(1 + min(own * scale, DEPTH))
     observe(sizer.forecast, request.forecast, confident_chain(0.3), verified=16, accepted=[1])
     assert request.forecast.plain_steps == 0  # a tree read: its own curve is fresh again
+
+
+def test_a_probe_runs_the_tree_that_pays_best():
+    """When trees cost about the same whatever their size, a probe takes the size of the most
+    expected tokens per second, not the smallest tree."""
+    table = costs({0: 1.0, 1: 4.0, 2: 4.0, 4: 4.0, 8: 4.05, 16: 4.1})
+    sizer = TreeSizer(SIZES, DEPTH, table, first_wait=1, max_wait=1)
+    request = FakeRequest()
+    for _ in range(4):
+        observe(sizer.forecast, request.forecast, bushy(0.8), verified=16, accepted=[1, 2])
+    tokens = sizer.forecast.expected_tokens([request.forecast], [0, *SIZES], [1000])[0]
+    assert tokens[-1] < 4.0  # under a plain step's rate: plain steps, with probes
+    best_tree = best_size(list(SIZES), [table.cost(1, s) for s in SIZES], tokens[1:].tolist())
+    assert best_tree > SIZES[0]
+    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(12)]
+    assert set(sizes) == {0, best_tree}

@@ -14,8 +14,8 @@ shorter (overlap) and adding to it past that. How far real steps are from the ta
 from the engine's own steps (costs.StepCorrection) and multiplies the table's seconds.
 
 A request kept on plain steps learns nothing new about its drafter, so now and then it probes:
-once the plain steps it took since its last tree cost `wait` times what one probe round (the
-smallest tree) costs over a plain step, the round runs the smallest tree. Each probe doubles the
+once the plain steps it took since its last tree cost `wait` times what one probe round (the tree
+of the most expected tokens per second) costs over a plain step, the round runs that tree. Each probe doubles the
 request's wait (up to `max_wait`), and a tree chosen on its merits resets it, so a drafter that
 keeps failing costs at most about 1 / max_wait over plain decoding, and one that recovers is
 found within a few steps. A new request starts from the wait its predecessors reached.
@@ -131,8 +131,9 @@ class TreeSizer:
             tokens = fixed_tokens + per_request.sum(0)
             seconds = seconds * [self.correction.ratio(bucket, s) for s in candidates]
             size = best_size(candidates, seconds.tolist(), tokens.tolist())
-            if size == 0:
-                size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
+            if size == 0:  # the probe, if one is due: the tree that pays best
+                probe = best_size(candidates[1:], seconds[1:].tolist(), tokens[1:].tolist())
+                size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(probe)], probe)
             elif floor == 0:
                 for r in auto:
                     r.forecast.wait = self.first_wait  # a tree on its merits

@@ -20,7 +20,7 @@ for part in "$@"; do
     kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \
             | tee "$out/kimi.log" | grep -v "^|" ;;
     sync) python3 dev/scalar_write_sync.py 2>&1 | tee "$out/scalar_write_sync.log" ;;
-    steps) python3 dev/demo_step_profile.py --batch 8 --configs ar,1 ddtree,16 ddtree,32 ddtree,auto 2>&1 \
+    steps) for b in 8 32; do python3 dev/demo_step_profile.py --batch $b --prompts $((4*b)) --configs ar,1 ddtree,16 ddtree,32 ddtree,auto ddtree,auto@0 ddtree,auto@32; done 2>&1 \
              | tee "$out/steps.log" | grep "wall" ;;
     *) echo "unknown part $part" ;;
   esac

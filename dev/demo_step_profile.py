@@ -2,7 +2,7 @@
 pass, the timed pass's wall time split by Engine.step's parts (admit + prefill, launch, collect),
 the GPU time of its rounds (CUDA events), eager rounds, and cProfile's top host functions.
 
-    python dev/demo_step_profile.py --batch 8 --configs ar,1 ddtree,32 ddtree,auto
+    python dev/demo_step_profile.py --batch 8 --configs ar,1 ddtree,32 ddtree,auto ddtree,auto@0
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def main() -> None:
     report = []
     for config in args.configs:
         mode, budget = config.split(",")
+        budget, _, forced = budget.partition("@")  # ddtree,auto@0: auto requests with the size forced to 0
         budget = budget if budget == "auto" else int(budget)
+        engine.sizer.forced = int(forced) if forced else None
         engine.generate(prompts, 128, mode=mode, budget=budget)
         for profiled in (False, True):  # the wall time without cProfile's cost, then where it goes
             for k in spent:

@@ -135,10 +135,11 @@ def size_to_prompts(args) -> None:
     """generate's defaults: a batch of the prompts' count (at most 32) and requests as long as the
     longest prompt (counted with the target's tokenizer) plus --max-new-tokens, within the model's
     positions (and at least 1024 tokens): the KV cache then holds what the command needs, not a
-    server's share of memory."""
+    server's share of memory. With the demo pair, a warning on stderr when a request runs past
+    the window it was trained on."""
     if args.max_batch is None:
         args.max_batch = min(len(args.prompts), 32)
-    if args.max_model_len is not None:
+    if args.max_model_len is not None and args.target is not None:
         return
     from .demo import demo_pair
     from .engine.loading import load_tokenizer
@@ -148,10 +149,17 @@ def size_to_prompts(args) -> None:
     if tokenizer is None:
         return  # the engine says that text prompts need a tokenizer
     config = json.loads((target / "config.json").read_text()) if (target / "config.json").is_file() else {}
-    limit = min(config.get("max_position_embeddings", 8192), 8192)
     longest = max(len(tokenizer(p)["input_ids"]) for p in args.prompts)
-    # at least MEASURED_LENGTH: room for the round-cost measurement's stand-ins to keep running
-    args.max_model_len = min(max(longest + args.max_new_tokens, MEASURED_LENGTH), limit)
+    trained = (config.get("rope_scaling") or {}).get("original_max_position_embeddings")
+    positions = config.get("max_position_embeddings", 8192)
+    if args.target is None and trained and trained < longest + args.max_new_tokens <= positions:
+        sys.stderr.write(f"ddtree generate: warning: the demo pair was trained on {trained}-token windows; a request "
+                         f"of {longest} prompt tokens + {args.max_new_tokens} new runs past it and may come out "
+                         f"garbled\n")
+    if args.max_model_len is None:
+        limit = min(positions, 8192)
+        # at least MEASURED_LENGTH: room for the round-cost measurement's stand-ins to keep running
+        args.max_model_len = min(max(longest + args.max_new_tokens, MEASURED_LENGTH), limit)
 
 
 def cache_line(engine) -> str:

@@ -196,3 +196,17 @@ def test_a_prompt_past_the_context_is_one_line_without_the_tokenizers_warning():
     err = run.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("ddtree: error: prompt (") and err.endswith(
         "tokens) + max_new_tokens (128) exceeds max_model_len=4096"), err
+
+
+def test_the_demo_pair_warns_past_its_trained_window():
+    """The demo pair accepts 4096 positions but was trained on 1024-token windows: a request past
+    1024 runs, after one warning line that says so."""
+    run = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--device", "cpu", "--mode", "ar",
+                          "--max-new-tokens", "2", "x = 1\n" * 300], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    warning = run.stderr.splitlines()[0]
+    assert warning.startswith("ddtree generate: warning: the demo pair was trained on 1024-token windows; a request of ")
+    assert warning.endswith("+ 2 new runs past it and may come out garbled")
+    short = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--device", "cpu", "--mode", "ar",
+                            "--max-new-tokens", "2", "x = 1"], capture_output=True, text=True, timeout=300)
+    assert short.returncode == 0 and "warning" not in short.stderr

@@ -2,8 +2,6 @@
 alone and in batches that mix modes; the size follows cost and acceptance; the cost table is
 measured when missing and leaves no trace, and a table for another pair is refused."""
 
-import time
-
 import pytest
 import torch
 
@@ -246,27 +244,3 @@ def test_the_engine_teaches_the_sizer_what_its_steps_cost(models):
     assert {size for _, size in exact} <= set(out.stats.tree_sizes) and {b for b, _ in exact} == {1}
     # the table's costs are seconds, these steps milliseconds: every ratio clamps at its floor
     assert all(ratio == 0.5 for ratio, _ in engine.sizer.correction.ratios.values())
-
-
-def test_a_plain_step_costs_the_mean_of_its_append_cycle(models, monkeypatch):
-    """One plain step in PENDING_ROWS appends the rows set aside to the drafter: the table's plain
-    cost is the mean over such a cycle, a tree's the median of its steps."""
-    from types import SimpleNamespace
-
-    from ddtree.engine import profiling
-    from ddtree.engine.batch import PENDING_ROWS
-
-    engine = engine_with(models)
-    clock, steps = [0.0], [0]
-    real_step = engine.step
-
-    def step():  # every PENDING_ROWS-th step takes 1 + PENDING_ROWS "seconds", the others 1
-        steps[0] += 1
-        clock[0] += 1.0 + (PENDING_ROWS if steps[0] % PENDING_ROWS == 0 else 0.0)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", step)
-    monkeypatch.setattr(profiling, "time", SimpleNamespace(perf_counter=lambda: clock[0], strftime=time.strftime))
-    table = profiling.measure_round_costs(engine, [1], warmup=3, repeats=6, passes=1)
-    assert table.seconds[1][0] == pytest.approx(2.0)  # (PENDING_ROWS - 1 + 1 + PENDING_ROWS) / PENDING_ROWS
-    assert all(table.seconds[1][s] == 1.0 for s in SIZES if s > 0)

@@ -59,8 +59,7 @@ class RequestForecast:
     """One request's view: curve[n] = calibrated expected accepted nodes of its tree of n nodes
     (an average over its recent rounds; None before its first tree round is read); observed /
     predicted: decayed sums of accepted nodes and of their calibrated expectation (the
-    per-request scale); decode_seconds / plain_steps: cost and count of the plain steps it took
-    since its last tree was read;
+    per-request scale); decode_seconds: cost of the plain steps it took since its last tree;
     wait: how many probe costs of plain steps it waits before the next probe (engine/sizing.py;
     0: not set yet)."""
 
@@ -68,7 +67,6 @@ class RequestForecast:
     observed: float = 0.0
     predicted: float = 0.0
     decode_seconds: float = 0.0
-    plain_steps: int = 0
     wait: float = 0.0
     version: int = 0  # bumped whenever curve or scale change
 
@@ -77,14 +75,12 @@ class AcceptanceForecast:
     """Learns from every read tree round; answers expected tokens per round for any tree size."""
 
     def __init__(self, info_nodes: int, max_depth: int, *, smoothing: float = 0.5, scale_decay: float = 0.8,
-                 scale_shrink: float = 1.0, stale_half_life: float = 2.0):
+                 scale_shrink: float = 1.0):
         """info_nodes: nodes whose path probabilities a round reports (the largest size the engine
         may choose); smoothing: weight of the old curve when a new round is read; scale_decay /
-        scale_shrink: memory and pseudo-count of the per-request scale; stale_half_life: plain
-        steps after which a request's own curve counts half, the pooled curve the other half."""
+        scale_shrink: memory and pseudo-count of the per-request scale."""
         self.info_nodes, self.max_depth = info_nodes, max_depth
         self.smoothing, self.scale_decay, self.scale_shrink = smoothing, scale_decay, scale_shrink
-        self.stale_half_life = stale_half_life
         self.calibration = Calibration()
         # the prior of a request with no tree read yet: the recent trees' path log-probs, read
         # through the calibration as it is now (not as it was when they were read)
@@ -135,7 +131,7 @@ class AcceptanceForecast:
             forecast.observed = d * forecast.observed + observed[i]
             forecast.predicted = d * forecast.predicted + predicted[i]
             forecast.curve = curves[i] if forecast.curve is None else s * forecast.curve + (1 - s) * curves[i]
-            forecast.decode_seconds, forecast.plain_steps = 0.0, 0
+            forecast.decode_seconds = 0.0
             forecast.version += 1
         self.version += 1
         rows = path_fixed[-self.RECENT_TREES :]
@@ -144,21 +140,14 @@ class AcceptanceForecast:
         verified_nodes = np.arange(n)[None, :] < in_tree[:, None]
         self.calibration.observe(bins[verified_nodes], was_accepted[verified_nodes], trees=r)
 
-    def _fresh_weight(self, forecast: RequestForecast) -> float:
-        """How much a request's own curve still says after its plain steps: the drafter's
-        confidence in one block tells little about a block a few tokens on."""
-        return 0.5 ** (forecast.plain_steps / self.stale_half_life)
-
     def expected_tokens(self, forecasts: list[RequestForecast], sizes: list[int], remaining: np.ndarray) -> np.ndarray | None:
         """float64 [R, len(sizes)]: tokens a round of each tree size is expected to commit for each
         request (1 + expected accepted nodes; size 0 is a plain step: 1), at most `remaining` [R]
         (what each may still take). None when nothing is known of some request (no tree read at all)."""
-        pooled = self.pooled_curve if any(f.curve is None or f.plain_steps for f in forecasts) else None
+        pooled = self.pooled_curve if any(f.curve is None for f in forecasts) else None  # only when needed
         if pooled is None and any(f.curve is None for f in forecasts):
             return None
-        curves = np.stack([pooled if f.curve is None else f.curve if not f.plain_steps
-                           else self._fresh_weight(f) * f.curve + (1 - self._fresh_weight(f)) * pooled
-                           for f in forecasts])  # [R, n + 1]
+        curves = np.stack([pooled if f.curve is None else f.curve for f in forecasts])  # [R, n + 1]
         k = self.scale_shrink
         scale = np.array([(f.observed + k) / (f.predicted + k) for f in forecasts])
         nodes = curves[:, np.minimum(np.asarray(sizes), curves.shape[1] - 1)] * scale[:, None]

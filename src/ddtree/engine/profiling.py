@@ -2,8 +2,7 @@
 
 For every batch bucket, `bucket` requests of random prompt tokens fill slots 0 .. bucket - 1 and
 the engine steps them with the tree size forced, one size after another (0: plain decode steps);
-each (bucket, size) gets the median wall time of its steps (plain steps: the mean of a cycle of
-PENDING_ROWS, one of which appends the rows set aside) after a warm-up that compiles the
+each (bucket, size) gets the median wall time of its steps after a warm-up that compiles the
 kernels and captures the round's CUDA graphs: the plain steps' warm-up runs long enough to append
 the rows they set aside for the drafter twice, and a tree's starts with plain steps before trees
 twice (a tree after plain steps appends them first), so that these rounds' graphs are captured
@@ -58,8 +57,7 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     if warmup < 3 or repeats < 1 or passes < 1:
         raise ValueError(f"need warmup >= 3 (compile, capture, first replay), repeats >= 1 and passes >= 1, "
                          f"got {warmup}, {repeats}, {passes}")
-    steps = max(len(_warm_sizes(0, warmup)) + PENDING_ROWS, len(_warm_sizes(1, warmup)) + repeats)
-    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, steps)
+    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + repeats)
     if fit < 1:
         raise ValueError(f"the KV cache (num_pages={engine.blocks.num_pages} of {engine.page_size} slots) cannot hold "
                          f"one stand-in request to measure round costs ({prefix} + {new_tokens} tokens)")
@@ -108,8 +106,7 @@ def stand_in_geometry(engine, prefix: int | None, steps: int) -> tuple[int, int,
 
 def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: int, warmup: int,
                 repeats: int) -> tuple[float, float]:
-    """(seconds of a step: the median of `repeats` trees, the mean of a cycle of plain steps;
-    tokens a timed step committed on average)."""
+    """(median seconds of a step, tokens a timed step committed on average)."""
     sizer, ids = engine.sizer, []
     sizer.forced = size
     try:
@@ -120,20 +117,16 @@ def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: 
         if engine.num_running != len(prompts):
             raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests fit in the KV cache "
                                f"(num_pages={engine.blocks.num_pages}) to measure a batch of {len(prompts)}")
-        # Plain steps append their set-aside rows to the drafter every PENDING_ROWS steps: their
-        # cost is the mean over such a cycle (a median would leave the appending step out).
-        timed = PENDING_ROWS if size == 0 else repeats
         times, tokens = [], []
         last = time.perf_counter()
-        for forced in _warm_sizes(size, warmup) + [size] * timed:
+        for forced in _warm_sizes(size, warmup) + [size] * repeats:
             sizer.forced = forced
             outputs = engine.step()
             now = time.perf_counter()
             times.append(now - last)
             tokens.append(sum(len(o.new_token_ids) for o in outputs))
             last = now
-        average = statistics.mean if size == 0 else statistics.median
-        return average(times[-timed:]), statistics.mean(tokens[-timed:])
+        return statistics.median(times[-repeats:]), statistics.mean(tokens[-repeats:])
     finally:
         sizer.forced = None
         for request_id in ids:

@@ -14,8 +14,8 @@ shorter (overlap) and adding to it past that. How far real steps are from the ta
 from the engine's own steps (costs.StepCorrection) and multiplies the table's seconds.
 
 A request kept on plain steps learns nothing new about its drafter, so now and then it probes:
-once the plain steps it took since its last tree cost `wait` times what one probe round (the tree
-of the most expected tokens per second) costs over a plain step, the round runs that tree. Each probe doubles the
+once the plain steps it took since its last tree cost `wait` times what one probe round (the
+smallest tree) costs over a plain step, the round runs the smallest tree. Each probe doubles the
 request's wait (up to `max_wait`), and a tree chosen on its merits resets it, so a drafter that
 keeps failing costs at most about 1 / max_wait over plain decoding, and one that recovers is
 found within a few steps. A new request starts from the wait its predecessors reached.
@@ -131,9 +131,8 @@ class TreeSizer:
             tokens = fixed_tokens + per_request.sum(0)
             seconds = seconds * [self.correction.ratio(bucket, s) for s in candidates]
             size = best_size(candidates, seconds.tolist(), tokens.tolist())
-            if size == 0:  # the probe, if one is due: the tree that pays best
-                probe = best_size(candidates[1:], seconds[1:].tolist(), tokens[1:].tolist())
-                size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(probe)], probe)
+            if size == 0:
+                size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
             elif floor == 0:
                 for r in auto:
                     r.forecast.wait = self.first_wait  # a tree on its merits
@@ -170,8 +169,6 @@ class TreeSizer:
     def _probe_or_decode(self, auto: list, decode: float, probe: float, probe_size: int) -> int:
         for r in auto:
             r.forecast.decode_seconds += decode
-            r.forecast.plain_steps += 1
-            r.forecast.version += 1  # its curve goes stale
             r.forecast.wait = r.forecast.wait or self.wait_prior
         due = [r for r in auto if r.forecast.decode_seconds >= r.forecast.wait * (probe - decode)
                and r.remaining_tokens() > 1]  # a request about to end learns nothing it can use

@@ -42,8 +42,9 @@ def bars(rows: list[dict], replay: bool) -> dict:
 def table(payload: dict) -> str:
     parts = [f"Pair: {payload['pair']}, {payload['new_tokens']} new tokens per request"
              + (f", prompts of {payload['prefix']} random tokens" if payload.get("prefix") else ", held-out prompts")
-             + ". Speeds are of the timed pass (the median of "
-             + f"{payload.get('timed_passes', 1)}), after a warm-up pass of the same prompts"
+             + ". Speeds are of the median timed pass (of "
+             + f"{payload.get('timed_passes', 1)}, run in rotation over the configurations), after a warm-up pass of "
+             + "the same prompts"
              + (f" at {payload['warmup_new']} new tokens" if payload.get("warmup_new") else "")
              + "; decode tokens/s leaves out the first token and the prefill's wall time.", "## Bars"]
     parts.append("\n".join(f"- {k}: {v:.3f}" for k, v in payload["bars"].items() if k != "per_batch"))

@@ -62,3 +62,20 @@ def test_a_submission_racing_stop_gets_an_event():
             inbox.stopper.join(5)
     assert isinstance(event, Failed) and event.error.status == 503
     assert scheduler.snapshot["queued"] == 0
+
+
+def test_the_scheduler_thread_takes_the_process_thread_count(monkeypatch):
+    """torch's intra-op thread count is set per thread: the scheduler thread sets the process's
+    count on itself (unset, a CPU round there ran on every core, beside the event loop)."""
+    import torch
+
+    from ddtree.server import scheduler as module
+
+    calls = []
+    monkeypatch.setattr(module.torch, "set_num_threads", lambda n: calls.append((threading.current_thread().name, n)))
+    engine = _IdleEngine()
+    scheduler = Scheduler(engine, Metrics(), idle_wait_s=0.01)
+    engine.stopping = scheduler._stop
+    scheduler.start()
+    scheduler.stop()
+    assert calls == [("ddtree-scheduler", torch.get_num_threads())]

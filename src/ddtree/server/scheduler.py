@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..engine.pages import KVCacheFull
 from .errors import APIError, internal_error
 from .jobs import Accepted, Chunk, Failed, Handle, Job, Usage
@@ -122,6 +124,9 @@ class Scheduler:
     # -- the loop (scheduler thread) -------------------------------------------------------------
 
     def _run(self) -> None:
+        # Intra-op threads are set per thread: without this the scheduler's CPU rounds run on
+        # every core, whatever the process set, and contend with the event loop.
+        torch.set_num_threads(torch.get_num_threads())
         while not self._stop.is_set():
             try:
                 self._drain(block=not self.engine.has_unfinished())

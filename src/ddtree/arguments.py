@@ -93,7 +93,9 @@ def add_pair_arguments(p: argparse.ArgumentParser, sized_to_prompts: bool = Fals
         p.add_argument("--max-model-len", type=positive(int), default=None, help="prompt + completion tokens per "
                        "request (default: the longest prompt + --max-new-tokens, at least 1024, within the model's positions)")
     else:
-        p.add_argument("--max-batch", type=positive(int), default=32, help="requests in the running batch")
+        p.add_argument("--max-batch", type=positive(int), default=None,
+                       help=f"requests in the running batch (default: {SERVING_BATCH['cuda']} on CUDA, "
+                       f"{SERVING_BATCH['cpu']} on the CPU)")
         p.add_argument("--max-model-len", type=positive(int), default=None, help="prompt + completion tokens per "
                        "request (default: the model's positions, at most 8192)")
     p.add_argument("--num-pages", type=positive(int), default=None, help="KV cache pages (default: sized from memory)")
@@ -104,6 +106,19 @@ def add_pair_arguments(p: argparse.ArgumentParser, sized_to_prompts: bool = Fals
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
                         "--no-cuda-graphs to debug)")
+
+
+# serve's and profile's default batch: a CPU steps a batch of 32 slowly, measures its round costs
+# for minutes at start-up and holds its KV cache in host memory
+SERVING_BATCH = {"cuda": 32, "cpu": 8}
+
+
+def serving_batch(device: str | None) -> int:
+    """--max-batch's default for serve and profile on `device` (None: CUDA when present)."""
+    import torch
+
+    kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    return SERVING_BATCH[kind]
 
 
 def check_before_loading(args) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .arguments import add_pair_arguments, positive
+from .arguments import add_pair_arguments, positive, serving_batch
 from .cli import load_engine
 
 
@@ -21,6 +21,7 @@ def add_profile_command(commands):
 
 
 def profile(args) -> None:
+    args.max_batch = args.max_batch or serving_batch(args.device)
     engine = load_engine(args)
     if engine.sizer is None:
         raise ValueError("profiling measures tree rounds: name a --drafter with --target")

@@ -210,3 +210,19 @@ def test_the_demo_pair_warns_past_its_trained_window():
     short = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--device", "cpu", "--mode", "ar",
                             "--max-new-tokens", "2", "x = 1"], capture_output=True, text=True, timeout=300)
     assert short.returncode == 0 and "warning" not in short.stderr
+
+
+def test_serve_and_profile_batch_defaults_by_device(pair, tmp_path, capsys):
+    """--max-batch of serve and profile: 32 on CUDA, 8 on the CPU (where a batch of 32 measured its
+    round costs for minutes before the server was ready), shown in --help."""
+    from ddtree.arguments import serving_batch
+
+    assert serving_batch("cpu") == 8 and serving_batch("cuda") == 32 and serving_batch("cuda:1") == 32
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "(default: 32 on CUDA, 8 on the CPU)" in " ".join(capsys.readouterr().out.split())
+    target, drafter = pair
+    path = tmp_path / "costs.json"
+    assert main(["profile", "--target", target, "--drafter", drafter, "--device", "cpu", "--max-budget", "2",
+                 "--repeats", "1", "--out", str(path)]) == 0
+    assert sorted(json.loads(path.read_text())["seconds"], key=int) == ["1", "2", "4", "8"]

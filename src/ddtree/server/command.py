@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..arguments import add_pair_arguments, budget, positive
+from ..arguments import add_pair_arguments, budget, positive, serving_batch
 from ..cli import cache_line, load_engine
 from ..cost_cache import load_cached_costs, save_cached_costs
 from .auth import ENV_VAR, api_keys
@@ -144,6 +144,7 @@ def serve(args) -> int:
     limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
+    args.max_batch = args.max_batch or serving_batch(args.device)
     engine = load_engine(args, round_costs=args.round_costs)
     leave_a_core_to_the_server(engine.device)  # before the round costs are measured: they run as served
     print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)

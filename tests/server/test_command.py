@@ -58,6 +58,39 @@ def test_serve_runs_a_server_until_interrupted(pairs):
     assert len(kept) == 1 and f"(kept in {kept[0]})" in err
 
 
+def test_serve_holds_its_port_while_it_loads(pairs):
+    """The port is taken before the model loads and its round costs are measured (no other
+    process can take it meanwhile); a request made then waits, and is answered once it serves."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
+            str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "128",
+            "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", "--fresh-costs"]
+    proc = subprocess.Popen(argv, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline, taken = time.monotonic() + 120, False
+        while not taken and proc.poll() is None and time.monotonic() < deadline:
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # fails only against a listener
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    taken = True
+            time.sleep(0.02)
+        assert taken, "the port was never taken"
+        with pytest.raises(httpx.TimeoutException):  # taken, not serving yet: the request waits
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 def _serve(pairs, *extra) -> tuple[subprocess.Popen, str]:
     """A `ddtree serve` process on a free port, once its /health answers; (process, base url)."""
     port = _free_port()

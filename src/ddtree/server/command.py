@@ -109,20 +109,25 @@ def leave_a_core_to_the_server(device) -> None:
     torch.set_num_threads(max(1, cores - 1))
 
 
-def check_listen(host: str, port: int) -> None:
-    """Raise one OSError line if (host, port) cannot be listened on (a port in use, an address
-    this machine does not have), before minutes go into loading the model."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on (host, port), taken before minutes go into loading the model and held
+    until uvicorn serves on it, so that no other process can take the port meanwhile (connections
+    made during the load wait in its backlog). One OSError line if it cannot be had (a port in use,
+    an address this machine does not have)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise OSError(f"--host {host}: not an address of this machine ({err.strerror})") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as err:
-            raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    return sock
 
 
 def serve(args) -> int:
@@ -140,7 +145,7 @@ def serve(args) -> int:
     from .shutdown import DrainingServer
 
     keys = api_keys(args.api_key)  # before the model loads: a bad key is a one-line error at once
-    check_listen(args.host, args.port)
+    sock = listen(args.host, args.port)
     limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
@@ -174,5 +179,5 @@ def serve(args) -> int:
           f"{engine.blocks.num_pages} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run()
+    DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run(sockets=[sock])
     return 0

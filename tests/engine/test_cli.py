@@ -226,3 +226,19 @@ def test_serve_and_profile_batch_defaults_by_device(pair, tmp_path, capsys):
     assert main(["profile", "--target", target, "--drafter", drafter, "--device", "cpu", "--max-budget", "2",
                  "--repeats", "1", "--out", str(path)]) == 0
     assert sorted(json.loads(path.read_text())["seconds"], key=int) == ["1", "2", "4", "8"]
+
+
+@pytest.mark.parametrize("argv,code,message", [
+    (["generate", "--device", "mps", "x"], 2, "ddtree generate: error: --device mps: ddtree runs on cuda or cpu"),
+    (["generate", "--target", "/nonexistent", "--mode", "ar", "x"], 2,
+     "ddtree generate: error: --target /nonexistent: no such directory"),
+    (["generate", "--budget", "512", "x"], 2,
+     "ddtree generate: error: --budget 512 is above --max-budget 256 (raise --max-budget to allow it)"),
+    (["generate", "--top-p", "2", "x"], 2, "ddtree generate: error: argument --top-p: must be in (0, 1], got 2"),
+    (["serve", "--host", "no-such-host.invalid"], 1, "ddtree: error: --host no-such-host.invalid: not an address"),
+])
+def test_a_newcomers_errors_from_a_process(argv, code, message):
+    """As a user meets them: the `ddtree` process, its exit code, and one line on stderr."""
+    run = subprocess.run([sys.executable, "-m", "ddtree", *argv], capture_output=True, text=True, timeout=300)
+    assert run.returncode == code, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith(message), run.stderr

@@ -19,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,24 +47,41 @@ def serve_speed(port: int, mode: str, new: int) -> float:
     """tokens/s of one streamed request, over its whole time as curl measures it."""
     body = json.dumps({"model": "ddtree-demo", "prompt": PROMPT, "max_tokens": new, "temperature": 0, "stream": True,
                        "ignore_eos": True, "ddtree": {"mode": mode}})
-    out = subprocess.run(["curl", "-s", "-N", "-o", "/dev/null", "-w", "%{time_total}", "-H",
+    out = subprocess.run(["curl", "-s", "-N", "-w", "\n%{http_code} %{time_total}", "-H",
                           "content-type: application/json", "-d", body, f"http://127.0.0.1:{port}/v1/completions"],
                          capture_output=True, text=True, check=True)
-    return new / float(out.stdout)
+    events, status = out.stdout.rsplit("\n", 1)
+    code, seconds = status.split()
+    streamed = sum(1 for line in events.splitlines() if line.startswith("data: {"))
+    if code != "200" or "data: [DONE]" not in events or not streamed:
+        raise RuntimeError(f"the request failed (HTTP {code}): {events[-300:]}")
+    return new / float(seconds)
 
 
 def start_server(port: int, device: str, max_batch: int) -> subprocess.Popen:
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "ddtree", "serve", "--device", device, "--port", str(port),
                              "--max-batch", str(max_batch), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         ready = subprocess.run(["curl", "-sf", "-m", "2", f"http://127.0.0.1:{port}/health"], capture_output=True)
         if ready.returncode == 0:
             return proc
         time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server was not ready within 600 s")
+    stop(proc)
+    log.seek(0)
+    why = f"exited with {proc.returncode}" if proc.returncode else "was not ready within 600 s"
+    raise RuntimeError(f"the server {why}: {log.read().decode(errors='replace')[-2000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def main() -> None:
@@ -91,8 +109,7 @@ def main() -> None:
                 print(f"round {r + 1}: {mode} generate {speeds[mode]['generate'][-1]:.1f}, serve "
                       f"{speeds[mode]['serve'][-2]:.1f} {speeds[mode]['serve'][-1]:.1f}", flush=True)
     finally:
-        server.terminate()
-        server.wait(60)
+        stop(server)
     rows = []
     for mode, got in speeds.items():
         g, s = statistics.median(got["generate"]), statistics.median(got["serve"])

@@ -152,7 +152,8 @@ def size_to_prompts(args) -> None:
     longest = max(len(tokenizer(p)["input_ids"]) for p in args.prompts)
     trained = (config.get("rope_scaling") or {}).get("original_max_position_embeddings")
     positions = config.get("max_position_embeddings", 8192)
-    if args.target is None and trained and trained < longest + args.max_new_tokens <= positions:
+    room = min(positions, args.max_model_len or positions)  # past it the engine's one-line error says all
+    if args.target is None and trained and trained < longest + args.max_new_tokens <= room:
         sys.stderr.write(f"ddtree generate: warning: the demo pair was trained on {trained}-token windows; a request "
                          f"of {longest} prompt tokens + {args.max_new_tokens} new runs past it and may come out "
                          f"garbled\n")

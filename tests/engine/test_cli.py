@@ -210,6 +210,11 @@ def test_the_demo_pair_warns_past_its_trained_window():
     short = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--device", "cpu", "--mode", "ar",
                             "--max-new-tokens", "2", "x = 1"], capture_output=True, text=True, timeout=300)
     assert short.returncode == 0 and "warning" not in short.stderr
+    past = subprocess.run([sys.executable, "-m", "ddtree", "generate", "--device", "cpu", "--mode", "ar",
+                           "--max-model-len", "1100", "--max-new-tokens", "2", "x = 1\n" * 300],
+                          capture_output=True, text=True, timeout=300)
+    assert past.returncode == 1 and len(past.stderr.strip().splitlines()) == 1  # the error alone
+    assert "exceeds max_model_len=1100" in past.stderr
 
 
 def test_serve_and_profile_batch_defaults_by_device(pair, tmp_path, capsys):

@@ -3,6 +3,8 @@ one-line errors (the demo pair missing, a drafter without its target)."""
 
 import json
 import os
+import re
+import select
 import signal
 import socket
 import subprocess
@@ -58,15 +60,28 @@ def test_serve_runs_a_server_until_interrupted(pairs):
     assert len(kept) == 1 and f"(kept in {kept[0]})" in err
 
 
-def test_serve_holds_its_port_while_it_loads(pairs):
-    """The port is taken before the model loads and its round costs are measured (no other
-    process can take it meanwhile); a request made then waits, and is answered once it serves."""
-    port = _free_port()
-    argv = [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
+def _tiny_serve_argv(pairs, port: int) -> list[str]:
+    return [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
             str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "128",
             "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", "--fresh-costs"]
-    proc = subprocess.Popen(argv, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_serve_holds_its_port_while_it_loads(pairs):
+    """The port is taken before the model loads and its round costs are measured (no other
+    process can take it meanwhile); a request made then waits, and is answered only after the
+    server says it serves (its last start-up line, written before uvicorn runs)."""
+    port = _free_port()
+    proc = subprocess.Popen(_tiny_serve_argv(pairs, port), env={**os.environ, "TRITON_INTERPRET": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline, taken = time.monotonic() + 120, False
         while not taken and proc.poll() is None and time.monotonic() < deadline:
@@ -78,17 +93,46 @@ def test_serve_holds_its_port_while_it_loads(pairs):
                     taken = True
             time.sleep(0.02)
         assert taken, "the port was never taken"
-        with pytest.raises(httpx.TimeoutException):  # taken, not serving yet: the request waits
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
-        r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=120)
-        assert r.status_code == 200 and r.json()["status"] == "ok"
-    finally:
-        proc.send_signal(signal.SIGINT)
+        err, pipe = b"", proc.stderr.fileno()
+        os.set_blocking(pipe, False)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            err = os.read(pipe, 1 << 16) or b""
+        except BlockingIOError:
+            pass
+        assert b"/v1\n" not in err, "the port was taken only once the server served"
+        client = socket.create_connection(("127.0.0.1", port), timeout=120)
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        while b"/v1\n" not in err:
+            readable, _, _ = select.select([pipe, client], [], [], max(0.0, deadline - time.monotonic()))
+            assert readable, "no start-up line in 120 s"
+            if pipe in readable:  # the pipe first: the line is written before any answer can be
+                chunk = os.read(pipe, 1 << 16)
+                assert chunk, "the server exited"
+                err += chunk
+                continue
+            assert client not in readable, f"answered before it served: {err.decode()}"
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += client.recv(1 << 16)
+        assert answer.startswith(b"HTTP/1.1 200")
+        client.close()
+    finally:
+        _stop(proc)
+
+
+def test_serve_on_port_zero_names_the_port_it_got(pairs):
+    proc = subprocess.Popen(_tiny_serve_argv(pairs, 0), env={**os.environ, "TRITON_INTERPRET": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "/v1" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server exited"
+        url = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        assert url and int(url.group(1)) > 0, line
+        assert httpx.get(f"{url.group(0)[:-3]}/health", timeout=60).status_code == 200
+    finally:
+        _stop(proc)
 
 
 def _serve(pairs, *extra) -> tuple[subprocess.Popen, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from ..arguments import add_pair_arguments, budget, positive, serving_batch
 from ..cli import cache_line, load_engine
 from ..cost_cache import load_cached_costs, save_cached_costs
 from .auth import ENV_VAR, api_keys
+from .listening import listen, urls
 
 _positive_int = positive(int)
 
@@ -109,27 +109,6 @@ def leave_a_core_to_the_server(device) -> None:
     torch.set_num_threads(max(1, cores - 1))
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A socket listening on (host, port), taken before minutes go into loading the model and held
-    until uvicorn serves on it, so that no other process can take the port meanwhile (connections
-    made during the load wait in its backlog). One OSError line if it cannot be had (a port in use,
-    an address this machine does not have)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as err:
-        raise OSError(f"--host {host}: not an address of this machine ({err.strerror})") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
-    try:
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as err:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
-    return sock
-
-
 def serve(args) -> int:
     """Run the server until interrupted; returns the exit code. Errors loading the checkpoints
     propagate (ddtree's main prints them as one line). ddtree's main has checked --target /
@@ -138,14 +117,23 @@ def serve(args) -> int:
         from ..demo import demo_pair
 
         demo_pair()  # FileNotFoundError with one clear line before anything heavy loads
+    keys = api_keys(args.api_key)  # before the model loads: a bad key is a one-line error at once
+    sockets = listen(args.host, args.port)
+    try:
+        return _serve_on(sockets, args, keys)
+    finally:  # uvicorn closes them when it shuts down; an error before it runs must too
+        for sock in sockets:
+            sock.close()
+
+
+def _serve_on(sockets, args, keys) -> int:
+    """serve's part after the sockets are taken: load, measure, serve."""
     import uvicorn
 
     from .app import ServerConfig, create_app
     from .limits import Limits
     from .shutdown import DrainingServer
 
-    keys = api_keys(args.api_key)  # before the model loads: a bad key is a one-line error at once
-    sock = listen(args.host, args.port)
     limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
@@ -177,7 +165,7 @@ def serve(args) -> int:
     print(f"ddtree serve: {name} on {config.metadata['device_name']} ({engine.device}), modes "
           f"{'ar, chain, ddtree' if engine.drafter is not None else 'ar'}, max_batch {engine.max_batch}, "
           f"{engine.blocks.num_pages} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}; "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+          f"{urls(sockets)}", file=sys.stderr, flush=True)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run(sockets=[sock])
+    DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run(sockets=sockets)
     return 0

@@ -26,6 +26,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_serve_runs_a_server_until_interrupted(pairs):
     port = _free_port()
     argv = [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
@@ -47,12 +56,7 @@ def test_serve_runs_a_server_until_interrupted(pairs):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "ab", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["ddtree"]["budget"] == 4
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        _stop(proc)
     assert proc.returncode == 0
     err = proc.stderr.read()
     assert f"http://127.0.0.1:{port}/v1" in err
@@ -64,15 +68,6 @@ def _tiny_serve_argv(pairs, port: int) -> list[str]:
     return [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
             str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "128",
             "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", "--fresh-costs"]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def test_serve_holds_its_port_while_it_loads(pairs):

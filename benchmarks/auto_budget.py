@@ -16,7 +16,7 @@ Each B has an engine of its own (max_batch = B) whose round costs are measured a
 prompts run in groups of B, one generate call per group, so every configuration admits (and
 prefills) them the same way. Every configuration runs a warm-up pass of the same groups
 (--warmup-new tokens, by default as many as the timed pass: kernels compiled, graphs captured for
-the contexts the timed pass reaches, auto's forecast learned, as in a server that has been up a
+the contexts the timed pass reaches, auto's sizer taught, as in a server that has been up a
 while); then the --passes timed passes run in rotation (one of each configuration, then the next),
 so that the machine's drift during the run falls on every configuration alike, and each reports
 its median pass. Each auto configuration keeps what its sizer learned to itself. tokens/s:
@@ -96,28 +96,22 @@ class AutoState:
     other. wrong: the replay drafter is wrong during the passes."""
 
     def __init__(self, engine: Engine, replay, wrong: bool):
-        sizer = engine.sizer
-        self.sizer, self.replay, self.wrong = sizer, replay, wrong
-        self.saved = (type(sizer.forecast)(sizer.info_nodes, sizer.forecast.max_depth), type(sizer.correction)(),
-                      sizer.first_wait)
+        self.sizer, self.replay, self.wrong = engine.sizer, replay, wrong
+        self.saved = engine.sizer.fresh_state()
 
     def __enter__(self):
-        sizer = self.sizer
-        self.outside = (sizer.forecast, sizer.correction, sizer.wait_prior)
-        sizer.forecast, sizer.correction, sizer.wait_prior = self.saved
+        self.outside, self.sizer.state = self.sizer.state, self.saved
         if self.replay is not None:
             self.replay.wrong = self.wrong
 
     def __exit__(self, *exc):
-        sizer = self.sizer
-        self.saved = (sizer.forecast, sizer.correction, sizer.wait_prior)
-        sizer.forecast, sizer.correction, sizer.wait_prior = self.outside
+        self.saved, self.sizer.state = self.sizer.state, self.outside
         if self.replay is not None:
             self.replay.wrong = False
 
     @property
     def ratios(self) -> dict:
-        return self.saved[1].ratios
+        return self.saved.correction.ratios
 
 
 def summarize(work: Workload, label: str, mode: str, budget, passes: list, eager: int | None, ar_tokens: list,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT tests tiny demo moonlight kimi steps sync
+#   dev/auto_budget_device.sh OUT suite tests tiny demo moonlight kimi steps sync
+# suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS)
 # Each part's files land under OUT (the device tool brings back 8 files at most: pick parts to fit).
 set -uo pipefail
 out=$1
@@ -12,9 +13,12 @@ for part in "$@"; do
   case $part in
     tests) timeout 420 python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 tests/engine tests/benchmarks 2>&1 \
              | tee "$out/cuda_tests.log" | tail -15 ;;
+    suite) timeout "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider -m cuda -n "${WORKERS:-8}" \
+             --timeout "${TEST_S:-200}" --durations=0 -rfE tests > "$out/cuda_suite.log" 2>&1
+           echo "suite rc $?"; grep -E "passed|failed|Timeout|^[0-9.]+s (call|setup)" "$out/cuda_suite.log" | head -40 ;;
     tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \
             --out-dir /tmp/tiny 2>&1 | grep -A3 "Bars\|^  " ;;
-    demo) python3 benchmarks/auto_budget.py --pair demo --passes 5 --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;
+    demo) timeout "${DEMO_S:-420}" python3 benchmarks/auto_budget.py --pair demo --passes "${PASSES:-5}" --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;
     moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \
                  | tee "$out/moonlight.log" | grep -v "^|" ;;
     kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \

@@ -11,6 +11,12 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+
+# Under pytest-xdist every worker would take a thread per core for torch's CPU ops (the float64
+# references), so N workers would run N x cores threads on cores: split the cores instead.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 # Where the Triton kernels run: the GPU when there is one, else the CPU interpreter.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 

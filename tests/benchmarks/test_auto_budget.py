@@ -110,18 +110,17 @@ def test_each_auto_configuration_learns_apart():
     from ddtree.engine.sizing import TreeSizer
 
     engine, replay = SimpleNamespace(sizer=TreeSizer((1, 4), 3)), SimpleNamespace(wrong=False)
-    outside = engine.sizer.forecast
+    outside = engine.sizer.state
     auto, wrong = auto_budget.AutoState(engine, replay, False), auto_budget.AutoState(engine, replay, True)
     with wrong:
-        assert replay.wrong and engine.sizer.forecast is not outside
-        engine.sizer.forecast.version = 7
+        assert replay.wrong and engine.sizer.state is not outside
+        engine.sizer.state.ledger.observe([[0, -1, -1, -1]], [1], 4)
         engine.sizer.correction.observe(1, 0, 2.0, 1.0)
-        engine.sizer.wait_prior = 64.0
-    assert not replay.wrong and engine.sizer.forecast is outside
+    assert not replay.wrong and engine.sizer.state is outside
     with auto:
         assert not replay.wrong
-        assert engine.sizer.forecast.version == 0 and engine.sizer.correction.ratios == {}
-        assert engine.sizer.wait_prior == engine.sizer.first_wait
+        assert engine.sizer.state.ledger.frontier == 0 and engine.sizer.correction.ratios == {}
     with wrong:
-        assert engine.sizer.forecast.version == 7 and engine.sizer.wait_prior == 64.0
+        assert engine.sizer.state.ledger.frontier == 4
+    assert outside.ledger.frontier == 0 and outside.correction.ratios == {}
     assert wrong.ratios == {(1, 0): (2.0, 1)} and auto.ratios == {}

@@ -86,7 +86,7 @@ def _oracle_engine(models, depth, tree_cost):
 @pytest.mark.parametrize("depth,tree_cost,trees_win", [(4, 2.0, True), (0, 2.0, False)])
 def test_the_size_follows_cost_and_acceptance(models, depth, tree_cost, trees_win):
     """A drafter right for 4 positions: trees; right for none (acceptance 1): plain steps but for
-    probes. Both give ar's tokens."""
+    the first rounds (the largest tree, to learn) and probes. Both give ar's tokens."""
     engine, batch, want = _oracle_engine(models, depth, tree_cost)
     outs = engine.generate(batch, max_new_tokens=60)
     assert [o.token_ids for o in outs] == want
@@ -158,14 +158,16 @@ def test_plain_steps_keep_the_drafter_context_of_every_token(models):
 
 
 def test_a_fixed_budget_above_the_largest_size_beside_auto(models):
-    """A budget-128 request in the batch builds trees past 64 nodes: the forecast still reads the
-    64 path columns and the accepted nodes where they are (the drafter right for 4 positions)."""
+    """A budget-128 request in the batch makes every round verify 128 nodes: the sizer's ledger
+    reads the auto request's accepted paths within its own 64 (the drafter right for 4 positions:
+    5 tokens a round)."""
     engine, batch, want = _oracle_engine(models, 4, tree_cost=1.5)
     engine.max_budget = 128
     outs = engine.generate(batch, max_new_tokens=60, budget=[128, "auto"])
     assert [o.token_ids for o in outs] == want
-    cal = engine.sizer.forecast.calibration
-    assert cal.accepted.sum() > 0.5 * outs[1].stats.rounds  # the accepted paths were read as such
+    ledger = engine.sizer.state.ledger
+    assert ledger.frontier == 64 and ledger.tokens(64) == pytest.approx(5.0, abs=0.3)
+    assert ledger.tokens(3) == pytest.approx(4.0, abs=0.3)  # the path's first three nodes
     assert outs[1].stats.tree_sizes[2:] == [64] * (outs[1].stats.rounds - 2)  # the fixed request's 128 shape
 
 

@@ -48,8 +48,9 @@ def test_plan_description_names_its_shape():
     assert describe(RoundPlan(bucket=1, budget=0, k=0, any_sampled=False, any_filtered=False, key_limit=None,
                               features=False, experts=False)) == "batch 1, ar"
     auto = RoundPlan(bucket=4, budget=8, k=64, any_sampled=False, any_filtered=False, key_limit=256, features=True,
-                     experts=False, info_nodes=64, flush=True)
-    assert describe(auto) == "batch 4, tree budget 8, drafter keys <= 256, built to 64, drafter context appended"
+                     experts=False, paths=True, flush=True)
+    assert describe(auto) == ("batch 4, tree budget 8, drafter keys <= 256, accepted paths reported, "
+                              "drafter context appended")
 
 
 @pytest.mark.cuda

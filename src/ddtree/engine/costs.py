@@ -175,5 +175,9 @@ class StepCorrection:
                 return mean
         return 1.0
 
+    def seen(self, bucket: int, size: int) -> bool:
+        """Whether steps of exactly `size` at `bucket` were observed min_count times."""
+        return self.ratios.get((bucket, size), (1.0, 0))[1] >= self.min_count
+
     def _keys(self, bucket: int, size: int) -> list[tuple[int, int]]:
         return [(bucket, size)] + ([(bucket, self.ANY_TREE)] if size > 0 else [])

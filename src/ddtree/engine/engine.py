@@ -164,10 +164,10 @@ class Engine(OfflineGeneration):
                     budget: int | str = "auto", request_id: str | None = None) -> str:
         """Queue a request; returns its id. Everything is checked here, before it can take a slot.
         budget (mode ddtree): tree nodes per round, or "auto": the engine chooses each round's size
-        by measured cost and expected acceptance (engine/sizing.py), plain steps included."""
+        by what each size measurably delivers per second (engine/sizing.py), plain steps included."""
         params = (params or SamplingParams()).with_seed()
         node_limit = node_limit_for(mode, budget, self.max_budget, self.max_depth,
-                                    self.sizer.info_nodes if self.sizer is not None else None)
+                                    self.sizer.largest if self.sizer is not None else None)
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -342,7 +342,7 @@ class Engine(OfflineGeneration):
                 slots.append(request.slot)
             outputs.append(self._finish_or_stream(request, kept))
         if auto and self.sizer.forced is None:
-            self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
+            self.sizer.learn(slots, flight.array(), flight.plan, self.moe_layers)
         # One step's wall time: this read since the last one, when both rounds had one shape. After
         # a step of another shape the interval also holds that step's tail and the switch.
         if auto and previous is not None and previous[1] == shape:

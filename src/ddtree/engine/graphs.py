@@ -115,7 +115,7 @@ def describe(plan: RoundPlan) -> str:
     """One line naming a plan's shape, for the capture log."""
     mode = "ar" if plan.budget == 0 else f"tree budget {plan.budget}"
     extras = [s for s, on in (("sampled", plan.any_sampled), ("top-k/top-p", plan.any_filtered),
-                              (f"built to {plan.info_nodes}", plan.info_nodes > plan.budget),
+                              ("accepted paths reported", plan.paths),
                               ("drafter context appended", plan.flush)) if on]
     keys = "" if plan.key_limit is None else f", drafter keys <= {plan.key_limit}"
     return f"batch {plan.bucket}, {mode}{keys}" + "".join(f", {e}" for e in extras)

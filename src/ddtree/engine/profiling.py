@@ -2,13 +2,14 @@
 
 For every batch bucket, `bucket` requests of random prompt tokens fill slots 0 .. bucket - 1 and
 the engine steps them with the tree size forced, one size after another (0: plain decode steps);
-each (bucket, size) gets the median wall time of its steps after a warm-up that compiles the
+each (bucket, size) gets the median wall time of its steps (a plain step: the mean over one
+cycle of the rows it sets aside for the drafter, the append included) after a warm-up that compiles the
 kernels and captures the round's CUDA graphs: the plain steps' warm-up runs long enough to append
 the rows they set aside for the drafter twice, and a tree's starts with plain steps before trees
 twice (a tree after plain steps appends them first), so that these rounds' graphs are captured
 here and not on the request path. A step's wall time in steady state is what a user
 waits for per round: the device's round, or the host's work when that is longer (overlap on),
-graph launches included. The stand-ins teach the acceptance forecast nothing, and they leave:
+graph launches included. The stand-ins teach the sizer's ledger nothing, and they leave:
 their slots, pages and statistics are gone when the measurement returns.
 """
 
@@ -57,7 +58,7 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     if warmup < 3 or repeats < 1 or passes < 1:
         raise ValueError(f"need warmup >= 3 (compile, capture, first replay), repeats >= 1 and passes >= 1, "
                          f"got {warmup}, {repeats}, {passes}")
-    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + repeats)
+    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + max(repeats, PENDING_ROWS))
     if fit < 1:
         raise ValueError(f"the KV cache (num_pages={engine.blocks.num_pages} of {engine.page_size} slots) cannot hold "
                          f"one stand-in request to measure round costs ({prefix} + {new_tokens} tokens)")
@@ -98,7 +99,7 @@ def stand_in_geometry(engine, prefix: int | None, steps: int) -> tuple[int, int,
     room = engine.max_model_len
     new_tokens = max(1, min((steps + 2) * (engine.max_depth + 1) + 1, room - 1))
     prefix = max(1, min(prefix or 256, max(1, room // 4), room - new_tokens))
-    per = pages_for(prefix + new_tokens + engine.sizer.info_nodes, engine.page_size)
+    per = pages_for(prefix + new_tokens + engine.sizer.largest, engine.page_size)
     blocks = engine.blocks
     fit = 0 if per > blocks.table.shape[1] else min(engine.max_batch, blocks.num_pages // per)
     return prefix, new_tokens, fit
@@ -106,7 +107,7 @@ def stand_in_geometry(engine, prefix: int | None, steps: int) -> tuple[int, int,
 
 def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: int, warmup: int,
                 repeats: int) -> tuple[float, float]:
-    """(median seconds of a step, tokens a timed step committed on average)."""
+    """(seconds of a step, tokens a timed step committed on average)."""
     sizer, ids = engine.sizer, []
     sizer.forced = size
     try:
@@ -117,16 +118,22 @@ def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: 
         if engine.num_running != len(prompts):
             raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests fit in the KV cache "
                                f"(num_pages={engine.blocks.num_pages}) to measure a batch of {len(prompts)}")
+        # A plain step's cost is the mean over one cycle of set-aside rows (its append included);
+        # a stall past 4x the median counts as 4x.
+        timed = max(repeats, PENDING_ROWS) if size == 0 else repeats
         times, tokens = [], []
         last = time.perf_counter()
-        for forced in _warm_sizes(size, warmup) + [size] * repeats:
+        for forced in _warm_sizes(size, warmup) + [size] * timed:
             sizer.forced = forced
             outputs = engine.step()
             now = time.perf_counter()
             times.append(now - last)
             tokens.append(sum(len(o.new_token_ids) for o in outputs))
             last = now
-        return statistics.median(times[-repeats:]), statistics.mean(tokens[-repeats:])
+        times, tokens = times[-timed:], tokens[-timed:]
+        middle = statistics.median(times)
+        seconds = statistics.mean(min(t, 4 * middle) for t in times) if size == 0 else middle
+        return seconds, statistics.mean(tokens)
     finally:
         sizer.forced = None
         for request_id in ids:

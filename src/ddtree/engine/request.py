@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .forecast import RequestForecast
 from .sampling import SamplingParams
 from .text import TextStream
 from .timing import STAGES
@@ -48,7 +47,8 @@ class GenerationStats:
 
 def node_limit_for(mode: str, budget, max_budget: int, max_depth: int, auto_nodes: int | None) -> int:
     """The most tree nodes a round may verify for a request of `mode` and `budget`, after checking
-    both: 0 for ar, D for chain, the budget for ddtree (auto_nodes for "auto"; None: no drafter)."""
+    both: 0 for ar, D for chain, the budget for ddtree (auto_nodes, the largest size budget="auto"
+    may choose, for "auto"; None: no drafter)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "ar" and auto_nodes is None:
@@ -108,7 +108,6 @@ class Request:
         self.stats = GenerationStats()
         self.started = 0.0
         self.ended = 0.0
-        self.forecast = RequestForecast() if self.auto else None
 
     @property
     def auto(self) -> bool:

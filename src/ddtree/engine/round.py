@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..models.paged import ForwardMeta
-from ..tree import accept_paths, build_trees, first_nodes, pack_visibility, path_logprobs, topk_logprobs
+from ..tree import accept_paths, build_trees, pack_visibility, topk_logprobs
 from .batch import BatchState
 from .commit import commit_slots, move_entries
-from .forecast import NO_NODE, PATH_SCALE
 from .sampling import choose_tokens
 from .timing import StageTimer
 
@@ -31,9 +30,8 @@ class RoundPlan:
     committed rows' hidden states (a plain step sets them aside in BatchState.pending_features);
     flush: append the set-aside rows to the drafter's context (a plain step: after setting its
     own aside; a tree round: before drafting); experts: count the routed experts each request's
-    rows touched;
-    info_nodes: build each tree to this many nodes (>= budget) and report their path log-probs
-    (engine/forecast.py), verifying the first `budget` (0: build to budget, report nothing).
+    rows touched; paths: a tree round also reports each request's accepted node numbers (what
+    budget="auto" learns from, engine/acceptance.py).
     """
 
     bucket: int
@@ -44,7 +42,7 @@ class RoundPlan:
     key_limit: int | None
     features: bool
     experts: bool
-    info_nodes: int = 0
+    paths: bool = False
     flush: bool = False
 
 
@@ -61,12 +59,11 @@ class RoundContext:
     num_experts: int
 
 
-def result_width(max_depth: int, moe_layers: int, info_nodes: int = 0) -> int:
+def result_width(max_depth: int, moe_layers: int, paths: bool = False) -> int:
     """Columns of a round's result: accept_len, D + 1 committed tokens, one count per MoE layer
-    (when the plan counts experts), then for a tree round with info_nodes: that many fixed-point
-    path log-probs (forecast.PATH_SCALE, forecast.NO_NODE past the tree) and the D + 1 accepted
-    node indices (root first, -1 after)."""
-    return 1 + max_depth + 1 + moe_layers + (info_nodes + max_depth + 1 if info_nodes else 0)
+    (when the plan counts experts), then for a tree round with paths: the D + 1 accepted node
+    numbers (root (0) first, -1 after)."""
+    return 1 + max_depth + 1 + moe_layers + (max_depth + 1 if paths else 0)
 
 
 def experts_touched(router_ids: list[torch.Tensor], valid_rows: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -106,7 +103,7 @@ def run_round(ctx: RoundContext, state: BatchState, plan: RoundPlan, max_depth: 
     """Advance slots 0 .. bucket - 1 by one round, in place; returns int64 [bucket, result_width]:
     column 0 accept_len (tokens committed: accepted nodes + the bonus; 0 for inactive slots),
     columns 1 .. D + 1 the committed tokens (-1 past accept_len), then the expert counts, then
-    (tree rounds with plan.info_nodes) the path log-probs and accepted nodes (result_width).
+    (tree rounds with plan.paths) the accepted node numbers (result_width).
     A slot takes part when it is active and has tokens remaining (BatchState.remaining)."""
     if plan.budget == 0:
         return _ar_step(ctx, state, plan, max_depth, timer)
@@ -154,12 +151,9 @@ def _tree_round(ctx, state, plan, max_depth, timer):
         ranks = torch.arange(plan.k, device=lp.device)
         lp = lp.masked_fill(state.chain[s, None, None] & (ranks > 0), float("-inf"))
     timer.mark("topk")
-    trees = build_trees(lp, tok, max(plan.budget, plan.info_nodes))
-    # exactly info_nodes columns, whatever budget a fixed request in the batch asked for
-    info = path_logprobs(first_nodes(trees, plan.info_nodes), lp, tok) if plan.info_nodes else None
+    trees = build_trees(lp, tok, plan.budget)
     # A request with a smaller budget keeps the first node_limit nodes: pop order does not depend
     # on the budget, so they are exactly its own best-first tree.
-    trees = first_nodes(trees, plan.budget)
     trees.num_nodes = torch.minimum(trees.num_nodes, state.node_limit[s]) * active
     timer.mark("build")
     root = torch.zeros(plan.bucket, 1, dtype=torch.int64, device=bonus.device)
@@ -187,10 +181,7 @@ def _tree_round(ctx, state, plan, max_depth, timer):
     steps = torch.arange(max_depth + 1, device=rows.device)
     committed = torch.where(steps < accept_len[:, None], posterior.gather(1, rows), -1)
     timer.mark("commit")
-    if info is None:
-        return _pack(accept_len, committed, touched)
-    fixed = torch.where(torch.isfinite(info), (info.double() * PATH_SCALE).round().long(), NO_NODE)
-    return _pack(accept_len, committed, touched, fixed, accepted)
+    return _pack(accept_len, committed, touched, *([accepted] if plan.paths else []))
 
 
 def _flush(ctx, state, plan):

@@ -33,8 +33,8 @@ def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPla
     if auto:
         expected = sum(r.stats.mean_acceptance_length or 1.0 for r in fixed)
         budget = engine.sizer.choose(bucket, auto, expected, budget)
-    info = engine.sizer.info_nodes if auto and budget > 0 else 0
-    trees = [r.budget for r in fixed if r.mode == "ddtree"] + ([info] if info else [])
+    paths = bool(auto) and budget > 0  # what auto requests accepted teaches the sizer
+    trees = [r.budget for r in fixed if r.mode == "ddtree"] + ([budget] if paths else [])
     k = min(max(trees), engine.target.cfg.vocab_size) if trees else 1
     sampled, filtered = generation_params([r.params for r in requests])
     key_limit = None
@@ -53,7 +53,7 @@ def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPla
     for r in requests:  # the host's count is an upper bound: a slot out of tokens sets nothing aside
         r.pending_rows = 0 if flush else r.pending_rows + (budget == 0 and features)
     return RoundPlan(bucket=bucket, budget=budget, k=k if budget else 0, any_sampled=sampled, any_filtered=filtered,
-                     key_limit=key_limit, features=features, experts=engine.moe_layers > 0, info_nodes=info,
+                     key_limit=key_limit, features=features, experts=engine.moe_layers > 0, paths=paths,
                      flush=flush)
 
 

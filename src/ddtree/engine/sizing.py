@@ -1,36 +1,39 @@
-"""The tree's size, chosen each round by measured cost (budget="auto").
+"""The tree's size, chosen each round by measured utility (budget="auto").
 
-Each round the host picks one size for the batch (every "auto" request verifies that many nodes;
-0 is a plain decode step): the size whose round commits the most expected tokens per second of
-the whole batch, from the measured cost of a step at this batch bucket (engine/costs.py) and each
-request's expected tokens at each size (engine/forecast.py). A verify's padding rows cost what
-real rows cost (they are routed like any other row), so a request in a round of size n takes all
-n nodes. The choice is host arithmetic on values already read back: no new synchronization.
+Each round the host picks one size for the batch's "auto" requests (0 is a plain decode step):
+the size of the most committed tokens per second of the whole batch. A size's tokens are what
+rounds of that size committed lately, measured in hindsight (engine/acceptance.py); its seconds
+are what a step of that size costs at this batch bucket (engine/costs.py's table, corrected by
+the wall time of the engine's own steps). This is Cascade's rule (arXiv 2506.20675): measure
+what each choice delivers, hold the best, re-test the others now and then, and turn speculation
+off where it does not pay. A verify's padding rows cost what real rows cost (they are routed
+like any other), so the choice is one size per round.
 
-The table was measured on stand-ins, and real steps can cost more or less: a MoE target's real
-trees touch more experts than stand-ins' do, and the host's work (committing, detokenizing,
-streaming) grows with the tokens a step commits, hidden behind the device's round while it is
-shorter (overlap) and adding to it past that. How far real steps are from the table is learned
-from the engine's own steps (costs.StepCorrection) and multiplies the table's seconds.
-
-A request kept on plain steps learns nothing new about its drafter, so now and then it probes:
-once the plain steps it took since its last tree cost `wait` times what one probe round (the
-smallest tree) costs over a plain step, the round runs the smallest tree. Each probe doubles the
-request's wait (up to `max_wait`), and a tree chosen on its merits resets it, so a drafter that
-keeps failing costs at most about 1 / max_wait over plain decoding, and one that recovers is
-found within a few steps. A new request starts from the wait its predecessors reached.
+What is known is kept fresh by exploring, at a bounded cost:
+- at first, the largest size until it was verified `start_weight` times: it tells every size;
+- on trees, every `explore_every`-th round takes the next larger size, the only way to learn
+  what it would add;
+- plain steps whose real cost at this bucket was never seen (the table measures stand-ins, and
+  its plain step was once 1.6x the real one): a burst of `PLAIN_BURST` every `plain_every` tree
+  rounds while the table rates them at least half as good as the best (8x rarer once seen);
+- on plain steps, a probe (the best tree) after `wait` plain steps; each probe doubles the wait
+  up to `max_wait`, a tree chosen on its merits resets it. A drafter that keeps failing costs
+  at most about (tree cost / plain cost - 1) / max_wait over plain decoding.
+The choice is host arithmetic on values already read back: no new synchronization.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .acceptance import AcceptanceLedger
 from .costs import RoundCosts, StepCorrection, check_signature
-from .forecast import AcceptanceForecast
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
 
 
 def best_size(sizes: list[int], seconds: list[float], tokens: list[float]) -> int:
@@ -56,24 +59,65 @@ def tree_sizer(tree_sizes: tuple[int, ...], max_budget: int, max_depth: int, rou
     return TreeSizer(sizes, max_depth, round_costs)
 
 
+@dataclass
+class SizerState:
+    """What a TreeSizer has learned, as one object (a benchmark keeps one per configuration).
+
+    ledger: tokens per size; correction: real step costs over the table's; rounds: tree rounds
+    chosen (the exploration clock); plain_steps: plain steps since the last tree; wait: plain steps
+    before the next probe; burst: (size, steps still to run) of an exploration under way;
+    plain_tried: bucket -> `rounds` at its last plain burst."""
+
+    ledger: AcceptanceLedger
+    wait: float
+    correction: StepCorrection = field(default_factory=StepCorrection)
+    rounds: int = 0
+    plain_steps: int = 0
+    burst: tuple[int, int] | None = None
+    plain_tried: dict[int, int] = field(default_factory=dict)
+
+
 class TreeSizer:
     """Chooses the size of each round that holds "auto" requests; learns from what rounds commit."""
 
-    def __init__(self, tree_sizes: tuple[int, ...], max_depth: int, costs: RoundCosts | None = None,
-                 first_wait: float = 4.0, max_wait: float = 64.0):
-        """tree_sizes: the positive sizes a round may take, ascending (the largest is also how
-        many nodes a round reports path probabilities for); costs: the measured table (None until
-        measured: rounds then take the smallest tree)."""
+    def __init__(self, tree_sizes: tuple[int, ...], max_depth: int, costs: RoundCosts | None = None, *,
+                 first_wait: int = 4, max_wait: int = 64, explore_every: int = 16, plain_every: int = 64,
+                 start_weight: float = 3.0, memory: float = 64.0):
+        """tree_sizes: the positive sizes a round may take, ascending; max_depth: the drafter's
+        block depth D; costs: the measured table (None until measured: rounds then take the
+        smallest tree); the rest: the exploration above and the ledger's memory in rounds."""
         if not tree_sizes or list(tree_sizes) != sorted(set(tree_sizes)) or tree_sizes[0] < 1:
             raise ValueError(f"tree_sizes must be distinct positive ints in ascending order, got {tree_sizes!r}")
-        self.tree_sizes = tuple(tree_sizes)
+        self.tree_sizes, self.max_depth = tuple(tree_sizes), max_depth
         self.first_wait, self.max_wait = first_wait, max_wait
+        self.explore_every, self.plain_every, self.start_weight, self.memory = explore_every, plain_every, start_weight, memory
+        self.state = self.fresh_state()
         self.costs = costs
-        self.wait_prior = first_wait  # where a new request's wait starts: the latest wait set
-        self.forecast = AcceptanceForecast(self.info_nodes, max_depth)
         self.forced: int | None = None  # a fixed size for every round (cost measurement)
         self.skipped: set[int] = set()  # buckets the KV cache could not measure (nearest measured one used)
         self.failure: str | None = None  # why no measurement could run (then: the smallest tree)
+
+    def fresh_state(self) -> SizerState:
+        """A state that knows nothing yet."""
+        return SizerState(AcceptanceLedger(self.largest, self.memory), wait=self.first_wait)
+
+    @property
+    def largest(self) -> int:
+        """The largest size an auto round may take (an auto request's node limit)."""
+        return self.tree_sizes[-1]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Every size a round of "auto" requests may take, plain steps (0) included."""
+        return (0,) + self.tree_sizes
+
+    @property
+    def correction(self) -> StepCorrection:
+        return self.state.correction
+
+    @correction.setter
+    def correction(self, correction: StepCorrection) -> None:
+        self.state.correction = correction
 
     @property
     def costs(self) -> RoundCosts | None:
@@ -82,27 +126,8 @@ class TreeSizer:
     @costs.setter
     def costs(self, table: RoundCosts | None) -> None:
         self._costs = table
-        self.correction = StepCorrection()  # its ratios are over this table's predictions
-        self._drop_lookups()
-
-    def _drop_lookups(self) -> None:
-        """Forget what was looked up in the table (it changed)."""
-        self._rows: dict = {}  # (bucket, floor) -> the candidates' costs, as looked up in the table
-        self._expected: tuple = (None, None)  # (key, each request's expected tokens per candidate)
-
-    @property
-    def info_nodes(self) -> int:
-        return self.tree_sizes[-1]
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Every size a round of "auto" requests may take, plain steps (0) included."""
-        return (0,) + self.tree_sizes
-
-    def forget(self) -> None:
-        """Drop what the forecast learned (calibration and the pooled prior), as for a new workload;
-        requests already running keep their own history."""
-        self.forecast = AcceptanceForecast(self.info_nodes, self.forecast.max_depth)
+        self.state.correction = StepCorrection()  # its ratios are over this table's predictions
+        self._rows: dict = {}  # (bucket, floor) -> the candidates and their seconds in the table
 
     def unmeasured(self, buckets: list[int]) -> list[int]:
         """The buckets of `buckets` the cost table lacks a size of (and that could be measured)."""
@@ -115,32 +140,62 @@ class TreeSizer:
             self.costs = table
         else:
             self.costs.merge(table)
-            self._drop_lookups()
+            self._rows = {}
 
     def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int) -> int:
-        """The round's size for `auto` requests (engine Requests with a .forecast) in a batch whose
-        other requests need at least `floor` nodes and are expected to commit `fixed_tokens`."""
+        """The round's size for `auto` requests (engine Requests) in a batch whose other requests
+        need at least `floor` nodes and are expected to commit `fixed_tokens`."""
         if self.forced is not None:
             return max(self.forced, floor)
-        candidates, seconds = self._row(bucket, floor)
-        smallest_tree = next(s for s in candidates if s > 0)
-        per_request = self._expected_tokens(auto, candidates)
-        if seconds is None or per_request is None:
-            size = smallest_tree  # nothing measured or nothing known: the cheapest tree that teaches
-        else:
-            tokens = fixed_tokens + per_request.sum(0)
-            seconds = seconds * [self.correction.ratio(bucket, s) for s in candidates]
-            size = best_size(candidates, seconds.tolist(), tokens.tolist())
-            if size == 0:
-                size = self._probe_or_decode(auto, seconds[0], seconds[candidates.index(smallest_tree)], smallest_tree)
-            elif floor == 0:
-                for r in auto:
-                    r.forecast.wait = self.first_wait  # a tree on its merits
-                self.wait_prior = self.first_wait
-        if size > 0:
-            for r in auto:
-                r.forecast.decode_seconds = 0.0  # a tree is coming back: no probe until it is read
+        candidates, table = self._row(bucket, floor)
+        if table is None or len(candidates) == 1:
+            return next(s for s in candidates if s > 0)  # nothing measured: the cheapest tree
+        state = self.state
+        if state.burst is not None:
+            size, left = state.burst
+            state.burst = (size, left - 1) if left > 1 else None
+            if size in candidates:
+                return size
+        ledger = state.ledger
+        top = max(s for s in candidates if s <= ledger.largest)
+        if ledger.weight(top) < self.start_weight:
+            return top  # learn every size at once
+        known = [s for s in candidates if s <= ledger.frontier]
+        seconds = [table[candidates.index(s)] * state.correction.ratio(bucket, s) for s in known]
+        caps = [r.remaining_tokens() for r in auto]
+        tokens = [fixed_tokens + sum(min(ledger.tokens(s), cap) for cap in caps) for s in known]
+        size = best_size(known, seconds, tokens)
+        if size == 0:
+            return self._plain_or_probe(bucket, known, seconds, tokens, caps)
+        state.plain_steps, state.wait = 0, self.first_wait
+        state.rounds += 1
+        larger = [s for s in candidates if s > size]
+        if larger and state.rounds % self.explore_every == 0:
+            return larger[0]
+        if 0 in known and self._plain_due(bucket, tokens[0] / seconds[0], tokens[known.index(size)] / seconds[known.index(size)]):
+            state.plain_tried[bucket] = state.rounds
+            state.burst = (0, PLAIN_BURST - 1)
+            return 0
         return size
+
+    def _plain_due(self, bucket: int, plain_rate: float, best_rate: float) -> bool:
+        """Whether a burst of plain steps should run now, to learn their real cost at `bucket`."""
+        state = self.state
+        every = self.plain_every * (8 if state.correction.seen(bucket, 0) else 1)
+        return plain_rate >= 0.5 * best_rate and state.rounds - state.plain_tried.get(bucket, 0) >= every
+
+    def _plain_or_probe(self, bucket: int, known: list[int], seconds: list[float], tokens: list[float],
+                        caps: list[int]) -> int:
+        state = self.state
+        state.plain_steps += 1
+        if state.plain_steps < state.wait or max(caps, default=0) <= 1:
+            return 0  # a request about to end learns nothing it can use
+        state.plain_steps, state.wait = 0, min(2 * state.wait, self.max_wait)
+        trees = [i for i, s in enumerate(known) if s > 0]
+        probe = best_size([known[i] for i in trees], [seconds[i] for i in trees], [tokens[i] for i in trees])
+        if not state.correction.seen(bucket, probe):
+            state.burst = (probe, 1)  # a second round teaches the correction its cost
+        return probe
 
     def observe_step(self, bucket: int, size: int, seconds: float) -> None:
         """A real step of `size` at `bucket` took `seconds` of wall time: teach the correction how
@@ -149,51 +204,24 @@ class TreeSizer:
             return
         candidates, table = self._row(bucket, 0)
         if table is not None and size in candidates:
-            self.correction.observe(bucket, size, seconds, float(table[candidates.index(size)]))
+            self.state.correction.observe(bucket, size, seconds, float(table[candidates.index(size)]))
 
-    def learn(self, requests: list, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
+    def learn(self, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
         """Read a tree round's result (int64 [bucket, round.result_width]) for its "auto" requests
-        (in `slots` during that round) into their forecasts."""
-        if not plan.info_nodes or not requests:
+        (in `slots` during that round) into the ledger."""
+        if not plan.paths or not slots:
             return
         rows = result[slots]
-        took_part = rows[:, 0] >= 1  # a slot out of tokens sat the round out
-        if not took_part.any():
-            return
-        rows = rows[took_part]
-        depth, n = self.forecast.max_depth, plan.info_nodes
-        start = 2 + depth + (moe_layers if plan.experts else 0)
-        self.forecast.observe([r.forecast for r, t in zip(requests, took_part) if t], rows[:, start : start + n],
-                              min(plan.budget, n), rows[:, start + n : start + n + depth + 1], rows[:, 0])
-
-    def _probe_or_decode(self, auto: list, decode: float, probe: float, probe_size: int) -> int:
-        for r in auto:
-            r.forecast.decode_seconds += decode
-            r.forecast.wait = r.forecast.wait or self.wait_prior
-        due = [r for r in auto if r.forecast.decode_seconds >= r.forecast.wait * (probe - decode)
-               and r.remaining_tokens() > 1]  # a request about to end learns nothing it can use
-        for r in due:
-            r.forecast.wait = self.wait_prior = min(2 * r.forecast.wait, self.max_wait)
-        return probe_size if due else 0
-
-    def _expected_tokens(self, auto: list, candidates: list[int]) -> np.ndarray | None:
-        """float64 [len(auto), len(candidates)]: each request's expected tokens per round, reused
-        while no forecast changed (most plain steps)."""
-        cap = self.forecast.max_depth + 2
-        key = (tuple(candidates), self.forecast.version,
-               tuple((id(r.forecast), r.forecast.version, min(r.remaining_tokens(), cap)) for r in auto))
-        if self._expected[0] != key:
-            expected = self.forecast.expected_tokens([r.forecast for r in auto], candidates,
-                                                     [r.remaining_tokens() for r in auto])
-            self._expected = (key, expected)
-        return self._expected[1]
+        rows = rows[rows[:, 0] >= 1]  # a slot out of tokens sat the round out
+        start = 2 + self.max_depth + (moe_layers if plan.experts else 0)
+        self.state.ledger.observe(rows[:, start : start + self.max_depth + 1], rows[:, 0], plan.budget)
 
     def _measured_bucket(self, bucket: int) -> int:
         """`bucket`, or the nearest measured one (the next larger first)."""
         measured = self.costs.buckets()
         return bucket if bucket in measured else min((b for b in measured if b > bucket), default=max(measured))
 
-    def _row(self, bucket: int, floor: int) -> tuple[list[int], np.ndarray | None]:
+    def _row(self, bucket: int, floor: int) -> tuple[list[int], list[float] | None]:
         """(the sizes a round may take above `floor`, their seconds at `bucket`), from the nearest
         measured bucket (the next larger first) when this one was not measured; no seconds
         without a table."""
@@ -204,7 +232,7 @@ class TreeSizer:
             if self.costs is not None and self.costs.seconds:
                 use = self._measured_bucket(bucket)
                 try:
-                    seconds = np.array([self.costs.cost(use, s) for s in candidates])
+                    seconds = [self.costs.cost(use, s) for s in candidates]
                 except KeyError:
                     pass
             self._rows[key] = (candidates, seconds)

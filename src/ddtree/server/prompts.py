@@ -37,7 +37,7 @@ def encode(engine, job: Job) -> list[int]:
 
 def node_limit(engine, mode: str, budget: int | str) -> int:
     """Verify rows beyond the root a round may use (what admission reserves): see Engine.add_request."""
-    auto_nodes = engine.sizer.info_nodes if engine.sizer is not None else None
+    auto_nodes = engine.sizer.largest if engine.sizer is not None else None
     return node_limit_for(mode, budget, engine.max_budget, engine.max_depth, auto_nodes)
 
 

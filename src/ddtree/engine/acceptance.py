@@ -1,0 +1,64 @@
+"""What a round of each tree size commits, measured in hindsight from the rounds the engine ran.
+
+A best-first tree of n nodes is exactly the first n nodes (in pop order) of any larger one, and a
+node's ancestors come before it, so a round that verified V nodes also says what a round of any
+n <= V nodes would have committed: the accept walk there follows the same path and stops at its
+first node numbered above n. So tokens(n) = 1 + the accepted nodes numbered <= n, exactly, for
+every n <= V and at any temperature (the target's choice at a node depends only on the node's
+ancestors and position).
+
+The ledger keeps, for each node number, how often it lay on the accepted path (an average over
+the recent rounds that verified it). Expected tokens at size n are 1 plus the sum of the first n
+rates. Nothing is predicted from the drafter's probabilities: on the demo pair those correlated
+0.28 with what a round then committed (docs/notes/auto_budget.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class AcceptanceLedger:
+    """Per node number 1 .. largest: the rate at which it was on a round's accepted path."""
+
+    def __init__(self, largest: int, memory: float = 64.0):
+        """largest: the most nodes a round may verify; memory: rounds over which a node's rate is
+        averaged (older rounds fade exponentially)."""
+        if largest < 1 or memory < 1:
+            raise ValueError(f"need largest >= 1 and memory >= 1, got {largest}, {memory}")
+        self.largest, self.decay = largest, 1.0 - 1.0 / memory
+        self.hits = np.zeros(largest + 1)  # [n]: decayed count of rounds whose path held node n
+        self.seen = np.zeros(largest + 1)  # [n]: decayed count of request-rounds that verified node n
+        self.frontier = 0  # the most nodes any observed round verified: sizes up to it are known
+        self._cumulative: np.ndarray | None = None
+
+    def observe(self, accepted: np.ndarray, accept_len: np.ndarray, verified: int) -> None:
+        """One tree round of R requests read back: accepted int64 [R, D + 1] (the accepted node
+        numbers, root (0) first, -1 after), accept_len int64 [R] (tokens committed, >= 1),
+        verified: tree nodes each request verified."""
+        accepted, accept_len = np.asarray(accepted, dtype=np.int64), np.asarray(accept_len, dtype=np.int64)
+        v = min(int(verified), self.largest)
+        if v < 1 or len(accepted) == 0:
+            return
+        nodes = accepted[:, 1:]
+        on_path = (np.arange(1, nodes.shape[1] + 1)[None, :] < accept_len[:, None]) & (nodes >= 1) & (nodes <= v)
+        self.hits[1 : v + 1] *= self.decay
+        self.seen[1 : v + 1] *= self.decay
+        self.seen[1 : v + 1] += len(accepted)
+        np.add.at(self.hits, nodes[on_path], 1.0)
+        self.frontier = max(self.frontier, v)
+        self._cumulative = None
+
+    def tokens(self, size: int) -> float:
+        """Expected tokens a round of `size` nodes commits per request (size 0: a plain step, 1);
+        KeyError for a size past the frontier (never verified)."""
+        if size > self.frontier:
+            raise KeyError(f"no round has verified {size} nodes yet (frontier {self.frontier})")
+        if self._cumulative is None:
+            rates = np.divide(self.hits, self.seen, out=np.zeros_like(self.hits), where=self.seen > 0)
+            self._cumulative = 1.0 + np.cumsum(rates)  # index n: 1 + rates of nodes 1 .. n (rates[0] = 0)
+        return float(self._cumulative[size])
+
+    def weight(self, size: int) -> float:
+        """How many recent request-rounds (decayed) verified node `size`: how sure tokens(size) is."""
+        return float(self.seen[min(size, self.largest)]) if size > 0 else float("inf")

@@ -39,7 +39,7 @@ from round_timing import cpu_ceilings, routed_experts_union, spread, summarize, 
 
 from ddtree.engine.round import RoundPlan, run_round  # noqa: E402
 from ddtree.engine.timing import StageTimer  # noqa: E402
-from ddtree.models.switches import KERNEL_PATHS, set_kernel_paths  # noqa: E402
+from ddtree.ops import PATHS, KernelPolicy, apply_policy  # noqa: E402
 
 FULL = dict(prefix=1024, batches=[1, 8, 32], budgets=[16, 64], repeats=10, graph_repeats=30, warmup=2,
             e2e_batches=[1, 8], lengths=[2, 4, 6, 8], new_tokens=73)
@@ -71,8 +71,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, help=f"tokens per request end to end ({FULL['new_tokens']}: the "
                         "prefill's first, then 72, a multiple of every L, so every round commits exactly L)")
     parser.add_argument("--e2e-budget", type=int, default=64)
-    parser.add_argument("--kernels", default="auto", choices=sorted(KERNEL_PATHS),
-                        help="the pair's norm / MLA / router / MoE paths (models.switches.set_kernel_paths)")
+    parser.add_argument("--kernels", default="auto", choices=PATHS,
+                        help="the pair's kernel policy: norm / MLA / router / MoE paths (ops/policy.py)")
     parser.add_argument("--eager-e2e", action="store_true", help="end to end without the engine's CUDA graphs")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args(argv)
@@ -148,7 +148,7 @@ def main(argv=None) -> Path:
     print(f"ceilings {ceilings}", flush=True)
     target, drafter, perm, info = build_pair(args.config, args.layers, device, dtype)
     for model in (target, drafter):
-        set_kernel_paths(model, args.kernels)
+        apply_policy(model, KernelPolicy(args.kernels))
     counts = ModelCounts.of(target, drafter)
     pb = PrefixBatch(target, drafter, max(args.batches), args.prefix, max(args.budgets) + 1)
     full = info["published_layers"]

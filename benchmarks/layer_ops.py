@@ -25,6 +25,7 @@ from ddtree.models import TargetConfig, random_target
 from ddtree.models import paged as paged_module
 from ddtree.models import target as target_module
 from ddtree.models.paged import ForwardMeta
+from ddtree.ops import KERNELS, KernelPolicy
 from ddtree.tree import pack_visibility
 
 # Metadata-only ops: no kernel on the GPU.
@@ -86,10 +87,10 @@ def _inside_triton(event) -> bool:
     return False
 
 
-def kernel_ops(overrides: dict, dtype: torch.dtype) -> dict[str, collections.Counter]:
+def kernel_ops(overrides: dict, dtype: torch.dtype, policy: KernelPolicy = KernelPolicy()) -> dict[str, collections.Counter]:
     """Non-view leaf aten ops of one decode forward (B = 1, N = 1) after a warm-up forward, per
     range: "layer<i>.attn", "layer<i>.mlp", "layer<i>.rest", "attend" (all layers), "outside"."""
-    model = random_target(config(2, **overrides), dtype=dtype)
+    model = random_target(config(2, **overrides), dtype=dtype, policy=policy)
     for module in (target_module, paged_module):
         _mark(module, "attend", "attend")  # tree-verify attention: its own kernels on CUDA
     for i, layer in enumerate(model.layers):
@@ -127,18 +128,15 @@ def kernel_ops(overrides: dict, dtype: torch.dtype) -> dict[str, collections.Cou
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--fused", action="store_true", help="force the Triton paths (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--fused", action="store_true", help="the kernel policy \"kernels\" (needs TRITON_INTERPRET=1)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--verbose", action="store_true", help="list the ops of each layer")
     args = parser.parse_args()
     if args.fused:
-        from ddtree.models.norm import RMSNorm
-        from ddtree.models.target import MLA
-        RMSNorm.fused = MLA.fused = True
         _count_triton_launches()
     dtype = getattr(torch, args.dtype)
     for name, overrides in LAYOUTS.items():
-        counts = kernel_ops(overrides, dtype)
+        counts = kernel_ops(overrides, dtype, KERNELS if args.fused else KernelPolicy())
         for layer, kind in ((0, "dense"), (1, "MoE")):
             parts = {part: counts[f"layer{layer}.{part}"] for part in ("attn", "rest", "mlp")}
             total = sum(sum(c.values()) for c in parts.values())

@@ -1,6 +1,6 @@
 """Routed experts at few rows: the fused Triton MoE (models/fused_moe.py, several tile shapes)
 against the grouped-GEMM path (MoE._grouped, torch._grouped_mm) it replaces below
-MoE FUSED_MAX_TOKENS, and against the floor of reading the touched experts' weights once.
+KernelPolicy.moe_fused_max_tokens, and against the floor of reading the touched experts' weights once.
 
     python benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 --tokens 1 2 4 8 16 32 64 65 128
 
@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, measure_ceilings, time_graph_us, write_results  # noqa: E402
 
 from ddtree.models import TargetConfig  # noqa: E402
-from ddtree.models.fused_moe import Workspace, fused_moe  # noqa: E402
-from ddtree.models.moe import FUSED_MAX_TOKENS, MoE  # noqa: E402
+from ddtree.ops.moe import Workspace, fused_moe  # noqa: E402
+from ddtree.models.target import MoE
+from ddtree.ops import KernelPolicy  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
@@ -117,7 +118,7 @@ def report(rows: list[dict], tiles, ceilings: dict) -> str:
           f"{r['best_fused_us'] / r['floor_us']:.2f}"] for r in rows])
     return (f"One routed-expert layer (shared expert left out, router excluded), random bf16 weights; tiles are "
             f"BLOCK_M x BLOCK_N x BLOCK_K, auto is fused_moe's own choice (block_m_for, tiles_for). MoE takes the "
-            f"fused path automatically at <= {FUSED_MAX_TOKENS} tokens. Measured ceilings: copy "
+            f"fused path automatically at <= {KernelPolicy().moe_fused_max_tokens} tokens. Measured ceilings: copy "
             f"{ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n"
             + table)
 

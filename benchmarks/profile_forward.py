@@ -3,7 +3,7 @@ step or a tree verify spends its time: kernels per forward, and time per kernel 
 
     python benchmarks/profile_forward.py --config moonlight-16b-a3b --shapes 1x1,1x65 --kernels auto reference
 
---kernels profiles the same forward once per choice of models.switches.set_kernel_paths: "auto"
+--kernels profiles the same forward once per kernel policy (ops/policy.py): "auto"
 (the Triton norm, MLA, router and few-row MoE kernels on CUDA) and "reference" (PyTorch paths).
 """
 
@@ -22,7 +22,7 @@ from common import environment, markdown_table, write_results  # noqa: E402
 from target_forward import CONFIGS, setup  # noqa: E402
 
 from ddtree.models import TargetConfig, random_target  # noqa: E402
-from ddtree.models.switches import KERNEL_PATHS, set_kernel_paths  # noqa: E402
+from ddtree.ops import PATHS, KernelPolicy, apply_policy  # noqa: E402
 
 
 @torch.no_grad()
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--shapes", default="1x1,1x65,8x65", help="BxN pairs: batch x rows per request")
     parser.add_argument("--forwards", type=int, default=5)
-    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=sorted(KERNEL_PATHS))
+    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=PATHS)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
     raw = json.loads((CONFIGS / f"{args.config}.json").read_text())
@@ -43,7 +43,7 @@ def main() -> None:
     model = random_target(cfg, dtype=torch.bfloat16, device="cuda")
     summary = {}
     for choice, shape in [(c, s) for c in args.kernels for s in args.shapes.split(",")]:
-        set_kernel_paths(model, choice)
+        apply_policy(model, KernelPolicy(choice))
         batch, rows = map(int, shape.split("x"))
         ids, meta, caches = setup(model, batch, rows, args.prefix)
         for _ in range(3):

@@ -4,7 +4,7 @@ besides the forward (metadata, sampling, commit, experts touched). Replay time a
 
     python benchmarks/profile_round.py --config moonlight-16b-a3b --batch 1 --budget 0
 
---kernels compares model paths in one run (models.switches.set_kernel_paths): "auto" (Triton
+--kernels compares model paths in one run (kernel policies, ops/policy.py): "auto" (Triton
 kernels on CUDA, the default) and "reference" (PyTorch paths). Writes
 profile_round-<config>-b<B>-<ar|budget<N>>-<gpu>.{json,md}. "Kernels" counts every GPU activity the
 profiler records in the replays (kernels, memcpy, memset), names cut at 120 characters.
@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, write_results  # noqa: E402
 from round_setup import PrefixBatch, build_pair  # noqa: E402
 
-from ddtree import pdl  # noqa: E402
 from ddtree.engine.round import RoundPlan, run_round  # noqa: E402
 from ddtree.engine.timing import StageTimer  # noqa: E402
-from ddtree.models.switches import KERNEL_PATHS, set_kernel_paths  # noqa: E402
+from ddtree.ops import PATHS, KernelPolicy, apply_policy  # noqa: E402
 
 
 def capture(pb: PrefixBatch, run) -> torch.cuda.CUDAGraph:
@@ -81,13 +80,11 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=0, help="tree nodes per request; 0: the ar step")
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30, help="timed replays")
-    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=sorted(KERNEL_PATHS))
+    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=PATHS)
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch without programmatic dependent launch, so that kernel times do not overlap")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
-    if args.no_pdl:
-        pdl.ENABLED = False
     device = torch.device("cuda")
     target, drafter, _, _ = build_pair(args.config, args.layers, device)
     pb = PrefixBatch(target, drafter, args.batch, args.prefix, args.budget + 1)
@@ -97,8 +94,9 @@ def main() -> None:
                      experts=True)
     summary = {}
     for choice in args.kernels:
-        set_kernel_paths(target, choice)
-        set_kernel_paths(drafter, choice)
+        policy = KernelPolicy(choice, pdl=not args.no_pdl)
+        apply_policy(target, policy)
+        apply_policy(drafter, policy)
         graph = capture(pb, lambda: run_round(pb.ctx, pb.state, plan, pb.max_depth, StageTimer(device, enabled=False)))
         samples = replay_ms(graph, args.repeats)
         rows = kernel_table(graph, 5)
@@ -113,15 +111,15 @@ def main() -> None:
     mode = "ar" if args.budget == 0 else f"budget{args.budget}"
     payload = {"environment": environment(), "config": args.config, "layers": target.cfg.num_hidden_layers,
                "batch": args.batch, "budget": args.budget, "prefix": args.prefix, "repeats": args.repeats,
-               "pdl": pdl.ENABLED, "paths": summary}
+               "pdl": not args.no_pdl, "paths": summary}
     path = write_results(f"profile_round-{args.config}-b{args.batch}-{mode}", payload, tables(summary, args), args.out)
     print(path.read_text())
 
 
 def tables(summary: dict, args) -> str:
     parts = []
-    if pdl.ENABLED:
-        parts.append("Programmatic dependent launch on (ddtree.pdl): a kernel's time includes its wait for the one "
+    if not args.no_pdl:
+        parts.append("Programmatic dependent launch on (ops/launch.py): a kernel's time includes its wait for the one "
                      "before it, so the times overlap and sum to more than the replay; --no-pdl gives times that add up.")
     for choice, s in summary.items():
         rows = [[f"{r['us_per_round']:.1f}", f"{r['per_round']:.0f}", r["name"][:90]] for r in s["by_name"][:25]]

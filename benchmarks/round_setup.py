@@ -35,7 +35,7 @@ from ddtree.engine.batch import BatchState, SlotSettings
 from ddtree.engine.pages import pages_for
 from ddtree.engine.round import RoundContext
 from ddtree.models import Drafter, DrafterConfig, Target, TargetConfig, check_pair
-from ddtree.models.loader import init_random, random_target
+from ddtree.models.checkpoint import init_random, random_target
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 ALPHA = 3.0  # logit std of a hidden state unrelated to any embedding (engine_parity's --logit-std)

@@ -21,7 +21,7 @@ import time
 import torch
 
 from ddtree.engine.timing import StageTimer
-from ddtree.models.moe import MoE
+from ddtree.models.target import MoE
 
 
 def spread(samples: list[float]) -> dict:

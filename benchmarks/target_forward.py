@@ -28,7 +28,7 @@ from common import environment, markdown_table, measure_ceilings, time_events_us
 
 from ddtree.models import TargetConfig, random_target  # noqa: E402
 from ddtree.models.paged import ForwardMeta  # noqa: E402
-from ddtree.models.switches import KERNEL_PATHS, set_kernel_paths  # noqa: E402
+from ddtree.ops import PATHS, KernelPolicy, apply_policy  # noqa: E402
 from ddtree.tree import pack_visibility  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 65])
-    parser.add_argument("--kernels", default="auto", choices=sorted(KERNEL_PATHS), help="models.switches.set_kernel_paths")
+    parser.add_argument("--kernels", default="auto", choices=PATHS, help="the kernel policy (ops/policy.py)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -99,7 +99,7 @@ def main() -> None:
     cfg = TargetConfig.from_dict(raw)
     ceilings = measure_ceilings()
     model = random_target(cfg, dtype=torch.bfloat16, device="cuda")
-    set_kernel_paths(model, args.kernels)
+    apply_policy(model, KernelPolicy(args.kernels))
     params = sum(p.numel() for p in model.parameters())
     per_expert, routed = routed_expert_counts(cfg)
     dense = params - model.embed_tokens.weight.numel() - per_expert * routed  # the embedding is gathered, not read

@@ -9,8 +9,8 @@ from common import time_graph_us
 from ddtree.attention import tree_verify_mla
 from ddtree.attention.api import choose_num_splits
 from ddtree.tree import pack_visibility
-from ddtree.models.fused_moe import SharedExperts, fused_moe
-from ddtree.models.moe import MLP
+from ddtree.ops.moe import SharedExperts, fused_moe
+from ddtree.models.layers import MLP
 
 torch.manual_seed(0)
 dev = "cuda"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 sys.path.insert(0, "benchmarks")
 from common import time_graph_us
-from ddtree.models.skinny import skinny_matmul
+from ddtree.ops.gemm import skinny_matmul
 
 dev, dt = "cuda", torch.bfloat16
 torch.manual_seed(0)

@@ -1,17 +1,15 @@
-"""Dev: one graphed engine round under variants of module constants, each timed and profiled in one
-process (benchmarks/profile_round.py is the committed benchmark). Run from the repository root
-with PYTHONPATH=src:benchmarks.
+"""Dev: one graphed engine round under variants of the kernel policy and the fused MoE's tiles, each
+timed and profiled in one process (benchmarks/profile_round.py is the committed benchmark). Run
+from the repository root with PYTHONPATH=src:benchmarks.
 
 usage: round_variants.py OUT.json BATCH BUDGET variant [variant ...]
 
 A variant is 'base' (the defaults) or comma-separated key=value pairs:
-    skinny=0|1     the few-row GEMM kernel (skinny.MAX_ROWS) off / on
-    pdl=0|1        programmatic dependent launch (ddtree.pdl.ENABLED)
-    attnpdl=0      the attention and its split merge launched without PDL
-    fold=0         the MoE's expert sum in its own launch, not in the next norm (MoE.forward's
-                   unsummed ignored)
-    direct=0|1     the fused MoE's one-token direct mode (fused_moe.DIRECT_MAX_TOKENS 0 or 1)
-    narrow=NxK, wide=NxK, stages=S   fused MoE tiles (NARROW_TILES, BLOCK_N x BLOCK_K, NUM_STAGES)
+    skinny=0|1     the few-row GEMM kernel off / on (KernelPolicy.gemm_max_rows 0 or its default)
+    pdl=0|1        programmatic dependent launch (KernelPolicy.pdl)
+    direct=N       the fused MoE's direct mode up to N tokens (KernelPolicy.moe_direct_max_tokens)
+    narrow=NxK, wide=NxK, stages=S   fused MoE tiles (ops/moe.py's NARROW_TILES, BLOCK_N x BLOCK_K,
+                   NUM_STAGES: kernel constants, set here for the sweep only)
 """
 import json, sys
 import torch
@@ -20,38 +18,26 @@ from profile_round import kernel_table
 from round_setup import PrefixBatch, build_pair
 from ddtree.engine.round import RoundPlan, run_round
 from ddtree.engine.timing import StageTimer
-from ddtree import pdl
-from ddtree.attention import api as attention_api
-from ddtree.models import moe as moe_module
-from ddtree.models import fused_moe, skinny
+from ddtree.ops import KernelPolicy, apply_policy
+from ddtree.ops import moe as fused_moe
 
 out, batch, budget, variants = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] or ["base"]
 dev = torch.device("cuda")
-defaults = dict(pdl=pdl.ENABLED, direct=fused_moe.DIRECT_MAX_TOKENS, max_rows=skinny.MAX_ROWS, narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
-
-launch_flags, moe_forward = attention_api.launch_flags, moe_module.MoE.forward
+tiles = dict(narrow=fused_moe.NARROW_TILES, stages=fused_moe.NUM_STAGES, wide=(fused_moe.BLOCK_N, fused_moe.BLOCK_K))
 
 
-def apply(variant):
-    attention_api.launch_flags, moe_module.MoE.forward = launch_flags, moe_forward
-    skinny.MAX_ROWS = defaults["max_rows"]
-    pdl.ENABLED, fused_moe.DIRECT_MAX_TOKENS = defaults["pdl"], defaults["direct"]
-    fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = defaults["narrow"], defaults["stages"]
-    fused_moe.BLOCK_N, fused_moe.BLOCK_K = defaults["wide"]
-    if variant == "base":
-        return
-    for kv in variant.split(","):
+def apply(variant, models):
+    fused_moe.NARROW_TILES, fused_moe.NUM_STAGES = tiles["narrow"], tiles["stages"]
+    fused_moe.BLOCK_N, fused_moe.BLOCK_K = tiles["wide"]
+    policy = KernelPolicy()
+    for kv in ([] if variant == "base" else variant.split(",")):
         k, v = kv.split("=")
         if k == "skinny":
-            skinny.MAX_ROWS = defaults["max_rows"] if v == "1" else 0
+            policy = policy.but(gemm_max_rows=KernelPolicy().gemm_max_rows if v == "1" else 0)
         elif k == "pdl":
-            pdl.ENABLED = v == "1"
-        elif k == "attnpdl":
-            attention_api.launch_flags = lambda device: dict(PDL=False, launch_pdl=False)
-        elif k == "fold":
-            moe_module.MoE.forward = lambda self, x, router_ids=None, unsummed=False: moe_forward(self, x, router_ids)
+            policy = policy.but(pdl=v == "1")
         elif k == "direct":
-            fused_moe.DIRECT_MAX_TOKENS = int(v)
+            policy = policy.but(moe_direct_max_tokens=int(v))
         elif k == "narrow":
             fused_moe.NARROW_TILES = tuple(int(a) for a in v.split("x"))
         elif k == "wide":
@@ -60,6 +46,8 @@ def apply(variant):
             fused_moe.NUM_STAGES = int(v)
         else:
             raise SystemExit(f"unknown variant key {k!r}")
+    for model in models:
+        apply_policy(model, policy)
 
 results = {}
 with torch.no_grad():
@@ -77,7 +65,7 @@ with torch.no_grad():
     ref = ref_cache = None
     graphs = {}
     for i, variant in enumerate(variants):
-        apply(variant)
+        apply(variant, (target, drafter))
         s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             pb.restore(); first = run().clone()
@@ -89,7 +77,7 @@ with torch.no_grad():
             pb.restore(); res = run()
         torch.cuda.synchronize()
         graphs[f"{i}:{variant}"] = (g, res)
-    apply("base")
+    apply("base", (target, drafter))
     st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = {name: [] for name in graphs}
     for rnd in range(13):

@@ -50,7 +50,7 @@ GLOBAL_ACCESS = re.compile(r"\b(?:(?:ld|st|atom|red)\.global|cp\.async|cp\.reduc
 
 
 def waits_before_memory(ptx: str) -> bool:
-    """Whether the PTX's first griddepcontrol.wait (ddtree.pdl) comes before its first global
+    """Whether the PTX's first griddepcontrol.wait (ops/launch.py) comes before its first global
     memory access (load, store, atomic, async or bulk copy): the rule of a kernel launched with
     programmatic dependent launch. False when there is no wait."""
     wait = ptx.find("griddepcontrol.wait")

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 
 pytest.importorskip("transformers")
 
-from ddtree.models import Drafter, DrafterConfig, joint, load_drafter, load_target  # noqa: E402
+from ddtree.models import Drafter, DrafterConfig, load_drafter, load_target  # noqa: E402
+from ddtree.models import layers as joint  # noqa: E402
 
 from .checkpoints import save_tiny, tiny_config  # noqa: E402
 

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.models import TargetConfig, joint, random_target, skinny
-from ddtree.models.norm import RMSNorm
+from ddtree.models import TargetConfig, random_target
+from ddtree.models import layers as joint
+from ddtree.models.layers import RMSNorm
+from ddtree.ops import KERNELS, REFERENCE, KernelPolicy
+from ddtree.ops.gemm import MAX_ROWS
 from ddtree.models.paged import ForwardMeta
 from ddtree.models.target import MLA, Target
 from ddtree.tree import pack_visibility
@@ -42,8 +45,10 @@ def input_joint(attn: MLA):
 
 
 def forward(model, ids, meta, caches, fused: bool, monkeypatch):
-    monkeypatch.setattr(RMSNorm, "fused", fused)
-    monkeypatch.setattr(MLA, "fused", fused)
+    """The norms' and MLA's kernels (fused) or their references; the MoE and router as "auto"."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, MLA)):
+            m.policy = KERNELS if fused else REFERENCE
     with torch.no_grad():
         return model.forward_paged(ids, meta, caches, hidden_layers=(0, 1))
 
@@ -74,12 +79,12 @@ def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, mo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_more_rows_than_the_decode_kernels_take_equal_reference(dtype, monkeypatch, kernel_device):
-    """2 x 9 rows (more than skinny.MAX_ROWS): the kernel path's cuBLAS GEMMs and its three
+    """2 x 9 rows (more than the few-row GEMM's MAX_ROWS): the kernel path's cuBLAS GEMMs and its three
     launches for the query and the entries equal the PyTorch path."""
     model = random_target(tiny(None, True), dtype=dtype, std=0.1, device=kernel_device)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2)).to(kernel_device)
     meta = ForwardMeta(**{k: v.to(kernel_device) for k, v in vars(chain_meta([0, 0], 9, [9, 6])).items()})
-    assert ids.numel() > skinny.MAX_ROWS
+    assert ids.numel() > MAX_ROWS
     caches, kernel_caches = model.new_cache(6, PAGE), model.new_cache(6, PAGE)
     want, want_hidden = forward(model, ids, meta, caches, False, monkeypatch)
     got, hidden = forward(model, ids, meta, kernel_caches, True, monkeypatch)
@@ -98,10 +103,10 @@ def test_the_kernel_path_refuses_a_forward_that_trains_o_proj_alone(monkeypatch)
     model.requires_grad_(False)
     attn = model.layers[0].self_attn
     attn.o_proj.weight.requires_grad_(True)
-    monkeypatch.setattr(MLA, "fused", True)
+    attn.policy = KERNELS
     with pytest.raises(RuntimeError, match="no backward"):
         attn.uses_kernels(torch.zeros(1, 1, 48))
-    monkeypatch.setattr(MLA, "fused", None)
+    attn.policy = KernelPolicy()
     assert not attn.uses_kernels(torch.zeros(1, 1, 48))
 
 
@@ -147,7 +152,7 @@ def test_adjacent_weights_in_separate_storages_are_not_joined():
 def test_mlp_gate_and_up_read_the_input_with_one_gemm():
     """The loader's target joins every MLP's gate and up weights (dense layers, shared experts):
     same state_dict; under no_grad one joint view, equal to two GEMMs; split again by .to()."""
-    from ddtree.models.moe import MoE
+    from ddtree.models.target import MoE
 
     model = random_target(tiny(20, True), dtype=torch.float32, std=0.1)
     mlps = [layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp for layer in model.layers]

@@ -6,8 +6,7 @@ import torch
 import triton
 from triton import knobs
 
-from ..kernels import multiprocessors, require_kernel_device
-from ..pdl import launch_flags
+from ..ops.launch import launch_flags, multiprocessors, require_kernel_device
 from .tree_verify import LOG2E, _merge_splits_kernel, _tree_verify_kernel
 
 BACKENDS = ("auto", "hopper", "triton")
@@ -123,7 +122,7 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
 
 
 def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
-                   softmax_scale, num_splits, epilogue: int | None = None) -> None:
+                   softmax_scale, num_splits, epilogue: int | None = None, pdl: bool = True) -> None:
     """Launch the Gluon kernel; `epilogue` overrides the output path (dev timing only)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -161,7 +160,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, 
         *part.stride()[:4], *part_lse.stride(),
         softmax_scale * LOG2E, rows * heads, heads, page_size, num_splits, kv_cache.shape[0] * page_size,
         n_row_tiles, n_items, D_V=VALUE_DIM, D_ROPE=dim - VALUE_DIM, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE_ROWS=page_rows,
-        EPILOGUE=epilogue, num_warps=8, **launch_flags(q.device),
+        EPILOGUE=epilogue, num_warps=8, **launch_flags(q.device, pdl),
     )
 
 
@@ -181,6 +180,7 @@ def tree_verify_mla(
     block_n: int = BLOCK_N,
     num_warps: int = 8,
     num_stages: int = 2,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form MLA attention of every draft-tree node over its prefix and its ancestors.
 
@@ -202,6 +202,7 @@ def tree_verify_mla(
     backend:      "hopper" (Gluon: TMA + warpgroup MMAs, sm_90 only), "triton" (portable, and the
                   one the interpreter runs) or "auto" (hopper where hopper_unsupported says it can).
     block_n, num_warps, num_stages: tuning of the triton backend (keys per tile, warps, stages).
+    pdl:          programmatic dependent launch where the GPU has it (ops/launch.py).
     Returns out [B, N, H, 512] in q's dtype and lse float32 [B, N, H] (natural log).
     """
     _check(q, kv_cache, block_table, prefix_lens, num_rows, visibility)
@@ -240,7 +241,7 @@ def tree_verify_mla(
         part_lse = torch.empty(batch, rows, heads, num_splits, dtype=torch.float32, device=q.device)
     if use_hopper:
         _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
-                       softmax_scale, num_splits)
+                       softmax_scale, num_splits, pdl=pdl)
     else:
         _launch_triton(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                        softmax_scale, num_splits, block_n, num_warps, num_stages)
@@ -248,7 +249,7 @@ def tree_verify_mla(
         _merge_splits_kernel[(batch * rows * heads, VALUE_DIM // MERGE_BLOCK_V)](
             part, part_lse, out, lse, num_splits,
             D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), BLOCK_V=MERGE_BLOCK_V, num_warps=4,
-            **launch_flags(q.device),
+            **launch_flags(q.device, pdl),
         )
     return out, lse
 

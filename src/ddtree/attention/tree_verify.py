@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..pdl import wait_for_producers
+from ..ops.launch import wait_for_producers
 
 LOG2E = 1.4426950408889634  # 1 / ln 2
 

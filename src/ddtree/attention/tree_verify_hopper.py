@@ -37,7 +37,7 @@ STAGES = gl.constexpr(2)  # KV tiles in flight: 2 x 72 KB of shared memory
 
 @gluon.jit
 def _wait_for_producers(PDL: gl.constexpr):
-    """ddtree.pdl's wait_for_producers in Gluon: with programmatic dependent launch, wait for the
+    """ops/launch.py's wait_for_producers in Gluon: with programmatic dependent launch, wait for the
     previous kernel (it writes the query and the cache entries), then let the next one launch."""
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..models import Drafter, Target
+from ..ops.policy import KernelPolicy
 from ..tree.types import MAX_TRITON_BUDGET
 from .batch import PENDING_ROWS, BatchState, SlotSettings
 from .costs import RoundCosts, pair_signature
@@ -109,17 +110,19 @@ class Engine(OfflineGeneration):
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path | None = None, drafter_dir: str | Path | None = None, *, device=None,
-                        dtype: torch.dtype | None = None, trust_remote_code: bool = False, **engine_args) -> "Engine":
+                        dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+                        kernels: KernelPolicy = KernelPolicy(), **engine_args) -> "Engine":
         """Load target (+ tokenizer, + stop tokens) and drafter from Hugging Face directories.
         With neither directory named, the demo pair shipped in the package (ddtree.demo).
-        device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU."""
+        device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU; kernels:
+        the models' kernel policy (ops/policy.py: "auto" by default)."""
         if target_dir is None:
             if drafter_dir is not None:
                 raise ValueError("a drafter directory was given without its target directory")
             from ..demo import demo_pair
 
             target_dir, drafter_dir = demo_pair()
-        target, drafter, tokenizer, stops = load_pair(target_dir, drafter_dir, device, dtype, trust_remote_code)
+        target, drafter, tokenizer, stops = load_pair(target_dir, drafter_dir, device, dtype, trust_remote_code, kernels)
         engine_args.setdefault("stop_token_ids", stops)  # an explicit () means: no end-of-text tokens
         return cls(target, drafter, tokenizer, **engine_args)
 

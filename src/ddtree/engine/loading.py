@@ -7,16 +7,19 @@ from pathlib import Path
 
 import torch
 
+from ..ops.policy import KernelPolicy
+
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, device=None, dtype: torch.dtype | None = None,
-              trust_remote_code: bool = False):
+              trust_remote_code: bool = False, policy: KernelPolicy = KernelPolicy()):
     """(target, drafter or None, tokenizer or None, stop token ids) from Hugging Face directories.
-    device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU."""
+    device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU; policy: both
+    models' kernel policy (ops/policy.py)."""
     from ..models import load_drafter, load_target
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    target = load_target(target_dir, dtype=dtype, device=device)
-    drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
+    target = load_target(target_dir, dtype=dtype, device=device, policy=policy)
+    drafter = load_drafter(drafter_dir, target, policy=policy) if drafter_dir is not None else None
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     return target, drafter, tokenizer, stop_token_ids(target_dir, tokenizer)
 

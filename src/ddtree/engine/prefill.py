@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..models.paged import ForwardMeta
-from ..models.paged_prefill import PrefillMeta
+from ..models.paged import PrefillMeta
 from .batch import BatchState
 from .round import RoundContext, causal_visibility
 from .sampling import choose_tokens

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .moe import MLP
-from .norm import RMSNorm
+from ..ops.policy import KernelPolicy
+from .layers import MLP, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class DrafterCache:
 
 
 class DrafterAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, policy: KernelPolicy = KernelPolicy()):
         super().__init__()
         self.cfg = cfg
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
@@ -101,8 +101,8 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, policy)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, policy)
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> rotated keys and values [B, T, kv_heads, head_dim]."""
@@ -138,22 +138,24 @@ class DrafterAttention(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, policy: KernelPolicy = KernelPolicy()):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DrafterAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
+        self.self_attn = DrafterAttention(cfg, policy)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
 class Drafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    """policy: its norms' kernel policy (ops/policy.py)."""
+
+    def __init__(self, cfg: DrafterConfig, policy: KernelPolicy = KernelPolicy()):
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, policy) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
 
     def fuse_input_projections(self) -> None:
         """Every layer's MLP gate and up weights in one buffer (MLP.fuse_input_projections), so

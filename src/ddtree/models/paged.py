@@ -1,8 +1,18 @@
-"""Absorbed MLA over the paged latent cache: the verify / decode form of attention.
+"""A forward over the paged latent cache: its metadata, the cache's reads and writes, attention.
 
 One forward writes its N new tokens' cache entries at slots prefix_len .. prefix_len + N - 1 of
-each request and attends, per row, to the committed prefix plus the new rows its visibility
-bitmask marks (a causal chain for prefill and decode, ancestors for a draft tree).
+each request, then attends. Two forms, told apart by the metadata:
+
+- ForwardMeta, the verify / decode form: absorbed MLA; each row attends to the committed prefix
+  plus the new rows its visibility bitmask marks (a causal chain for decode, ancestors for a
+  draft tree); the tree-verify kernel (ddtree.attention) or its PyTorch reference.
+- PrefillMeta, the prefill form of a prompt chunk: the request's entries for slots
+  0 .. prefix + n - 1 are gathered back from its pages, MLA expands them with kv_b_proj into
+  per-head keys and values, and SDPA runs with a causal mask offset by the prefix. With many rows
+  per request, expanding each key once is cheaper than the absorbed form's latent-width products
+  per head and row. Not done here (what a varlen flash kernel would bring): requests are padded
+  to the longest prefix + N keys and masked densely when their prefixes differ, and the whole
+  expanded prefix is materialized at once.
 """
 
 from __future__ import annotations
@@ -11,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
 from ..attention import tree_verify_mla
-from . import skinny
-from .absorbed_query import absorbed_query
-from .fused_mla import rotary_into, write_latent_entries
+from ..ops.gemm import MAX_ROWS, skinny_matmul
+from ..ops.mla import absorbed_query, rotary_into, write_latent_entries
+from ..ops.policy import KernelPolicy
 
 
 @dataclass
@@ -76,10 +88,83 @@ def cache_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, offsets: t
     return torch.where(keep, pages * page_size + slots % page_size, scratch_page * page_size + r % page_size)
 
 
+@dataclass
+class PrefillMeta:
+    """Per-forward metadata of a prefill chunk (B requests, N rows, L = max(prefix_lens) + N keys).
+
+    prefix_lens:  int32 [B]     entries already in the cache from earlier chunks.
+    num_rows:     int32 [B]     valid new rows per request (<= N); the rest is padding.
+    positions:    int64 [B, N]  prefix + n: rotary positions of the new rows.
+    slot_mapping: int64 [B, N]  as ForwardMeta's: new row n goes to slot prefix + n, padding rows
+                                to the scratch page.
+    key_slots:    int64 [B, L]  flat cache slot of key l = 0 .. L - 1 of each request (keys past
+                                prefix + num_rows point into the scratch page).
+    key_written:  bool [B, L] or None: key l < prefix + num_rows; the others are zeroed after the
+                  gather (they may hold NaN or another chunk's garbage, and 0 x NaN is NaN even
+                  under a mask). None when every key is written.
+    attn_mask:    row n sees key l <= prefix + n, as
+                  None: SDPA's is_causal, when every prefix is 0 (L = N);
+                  a lower-right CausalBias, when all requests share one prefix (every chunk of
+                  engine/prefill.py): no dense mask, so CUDA runs a flash / efficient kernel;
+                  else bool [B, 1, N, L].
+                  Padding rows see their causal range too (zeroed keys included): never a fully
+                  masked row, whose softmax would be NaN.
+
+    Build it with PrefillMeta.build from host values: prefill is host-driven (prompt lengths are
+    host values), and the fast path is chosen without reading anything back from the device.
+    """
+
+    prefix_lens: torch.Tensor
+    num_rows: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    key_slots: torch.Tensor
+    key_written: torch.Tensor | None
+    attn_mask: torch.Tensor | CausalBias | None
+
+    @classmethod
+    def build(cls, block_table: torch.Tensor, prefix_lens: list[int], num_rows: list[int], rows: int, *,
+              page_size: int, scratch_page: int) -> "PrefillMeta":
+        """block_table int32 [B, max_pages] on the device (must cover prefix + num_rows of each
+        request); prefix_lens, num_rows: B host ints each; rows: N (>= max(num_rows)). The cache's
+        scratch page as in ForwardMeta.build."""
+        batch = len(prefix_lens)
+        if len(num_rows) != batch or block_table.shape[0] != batch:
+            raise ValueError(f"prefix_lens ({batch}), num_rows ({len(num_rows)}) and block_table "
+                             f"({block_table.shape[0]}) must have one entry per request")
+        if not all(0 <= n <= rows for n in num_rows) or min(prefix_lens, default=0) < 0:
+            raise ValueError(f"need 0 <= num_rows <= rows={rows} and prefix_lens >= 0, got {num_rows}, {prefix_lens}")
+        device = block_table.device
+        prefix = torch.tensor(prefix_lens, dtype=torch.int32, device=device)
+        valid = torch.tensor(num_rows, dtype=torch.int32, device=device)
+        positions = prefix.long()[:, None] + torch.arange(rows, device=device)
+        keys = max(prefix_lens, default=0) + rows
+        key_index = torch.arange(keys, device=device).expand(batch, keys)
+        written = key_index < (prefix.long() + valid.long())[:, None]
+        key_slots = cache_slots(block_table, torch.zeros_like(prefix), key_index, written, page_size, scratch_page)
+        if len(set(prefix_lens)) <= 1:  # one prefix: the causal mask is the same lower-right triangle for all
+            mask = None if keys == rows else causal_lower_right(rows, keys)
+        else:
+            mask = (key_index[:, None, :] <= positions[:, :, None])[:, None]
+        if all(p + n == keys for p, n in zip(prefix_lens, num_rows)):
+            written = None
+        return cls(prefix, valid, positions, slot_mapping(block_table, prefix, valid, rows, page_size, scratch_page),
+                   key_slots, written, mask)
+
+
+def gather_entries(cache: torch.Tensor, meta: PrefillMeta) -> torch.Tensor:
+    """cache [num_pages, page_size, D] -> entries [B, L, D] of slots 0 .. L - 1 of each request,
+    zero past prefix + num_rows."""
+    entries = cache.view(-1, cache.shape[-1])[meta.key_slots]
+    if meta.key_written is not None:
+        entries = entries.masked_fill(~meta.key_written[..., None], 0.0)
+    return entries
+
+
 def write_entries(cache: torch.Tensor, entries: torch.Tensor, meta) -> None:
     """cache [num_pages, page_size, D] <- entries [B, N, D] at meta.slot_mapping (padding rows
-    land in the scratch page, never in a request's pages). meta: a ForwardMeta, or the prefill's
-    PrefillMeta (models/paged_prefill.py), which maps its rows the same way."""
+    land in the scratch page, never in a request's pages). meta: a ForwardMeta or a PrefillMeta,
+    which map their rows the same way."""
     width = cache.shape[-1]
     cache.view(-1, width)[meta.slot_mapping.flatten()] = entries.reshape(-1, width).to(cache.dtype)
 
@@ -114,20 +199,23 @@ def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, sc
     return torch.einsum("bhnl,bld->bnhd", probs, keys[..., :latent_dim])
 
 
-def attend(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, scale: float, latent_dim: int) -> torch.Tensor:
-    """Tree-verify attention: the Triton kernel on CUDA for bf16 / fp16, else the PyTorch path."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and latent_dim == 512:
-        out, _ = tree_verify_mla(
-            q.contiguous(), cache, meta.block_table, meta.prefix_lens, meta.num_rows, meta.visibility, scale, check=False
-        )
+def attend(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, scale: float, latent_dim: int,
+           policy: KernelPolicy | None = None) -> torch.Tensor:
+    """Tree-verify attention: with a policy that takes kernels, the tree-verify kernel where it runs
+    (CUDA, bf16 / fp16, a 512-wide latent), else (and with no policy) the PyTorch reference."""
+    if (policy is not None and policy.kernel("attention", q) and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and latent_dim == 512):
+        out, _ = tree_verify_mla(q.contiguous(), cache, meta.block_table, meta.prefix_lens, meta.num_rows,
+                                 meta.visibility, scale, check=False, pdl=policy.pdl)
         return out
     return attend_reference(q, cache, meta, scale, latent_dim)
 
 
 def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, latent_norm: tuple[torch.Tensor, float],
                        meta: ForwardMeta, cache: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
-                       interleave: bool) -> torch.Tensor:
-    """The kernel path of MLA.forward_paged from its projections to o_proj's input.
+                       interleave: bool, policy: KernelPolicy) -> torch.Tensor:
+    """The kernel path of MLA.forward_paged from its projections to o_proj's input (policy: its
+    PDL and the few-row GEMM's limit).
 
     q:           [B, N, H, nope + rope] (MLA.project; strided views are fine), kv [B, N, C + rope].
     w_kv_b:      kv_b_proj's weight as [H, nope + v, C].
@@ -136,8 +224,8 @@ def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, 
     Returns [B * N, H, v]. The entries go to the cache in one kernel (norm, rotary, cast, write);
     the two absorbed products are batched GEMMs over heads that write into their consumers'
     layouts (the query's latent slice, o_proj's row-major input) instead of being copied there.
-    At most skinny.MAX_ROWS rows (a decode step) run skinny's GEMM kernel, and the query's GEMM,
-    its rotary part and the cache entries share one launch (absorbed_query.py).
+    At most policy.gemm_max_rows rows (a decode step) run the few-row GEMM kernel, and the query's
+    GEMM, its rotary part and the cache entries share one launch (ops/mla.absorbed_query).
     """
     b, n, heads, qk = q.shape
     latent = w_kv_b.shape[2]
@@ -148,18 +236,19 @@ def absorbed_attention(q: torch.Tensor, kv: torch.Tensor, w_kv_b: torch.Tensor, 
     entries = (kv.reshape(rows, -1), latent_norm[0], latent_norm[1], cos, sin, cache.view(-1, cache.shape[-1]),
                meta.slot_mapping.view(-1))
     q = q.reshape(rows, heads, qk)
-    if rows <= skinny.MAX_ROWS:  # a decode step: the three launches below as one
-        query = absorbed_query(q, w_kv_b[:, :nope], *entries, interleave)
-        bmm = skinny.skinny_matmul
+    pdl = policy.pdl
+    if rows <= min(policy.gemm_max_rows, MAX_ROWS):  # a decode step: the three launches below as one
+        query = absorbed_query(q, w_kv_b[:, :nope], *entries, interleave, pdl=pdl)
+        bmm = lambda a, b, out: skinny_matmul(a, b, out, pdl=pdl)  # noqa: E731
     else:
-        write_latent_entries(*entries, interleave)
+        write_latent_entries(*entries, interleave, pdl=pdl)
         query = torch.empty(rows, heads, latent + rope_dim, dtype=q.dtype, device=q.device)
         torch.bmm(q[..., :nope].transpose(0, 1), w_kv_b[:, :nope], out=query[..., :latent].transpose(0, 1))  # W_UK
-        rotary_into(q[..., nope:], cos, sin, query[..., latent:], interleave)
+        rotary_into(q[..., nope:], cos, sin, query[..., latent:], interleave, pdl=pdl)
         bmm = torch.bmm
     query = query.view(b, n, heads, -1)
     w_uv = w_kv_b[:, nope:].transpose(1, 2)  # [H, C, v]
-    out_latent = attend(query, cache, meta, scale, latent)  # [B, N, H, C]
+    out_latent = attend(query, cache, meta, scale, latent, policy)  # [B, N, H, C]
     out = torch.empty(rows, heads, w_kv_b.shape[1] - nope, dtype=q.dtype, device=q.device)
     bmm(out_latent.view(rows, heads, latent).transpose(0, 1).to(q.dtype), w_uv, out=out.transpose(0, 1))  # W_UV
     return out

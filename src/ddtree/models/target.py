@@ -6,9 +6,11 @@ metadata: with a ForwardMeta the verify / decode form (kv_b_proj absorbed into t
 output, models/paged.py), with a PrefillMeta the prefill of a prompt chunk (the latents expanded
 like `forward` does, causal SDPA over the request's pages, models/paged_prefill.py).
 
-Few launches per layer on CUDA: rotary cos/sin once per forward, both input projections in one
-GEMM, the residual adds inside the norms (norm.py), MLA's cache entry and query rope as kernels
-(fused_mla.py); the PyTorch path beside them is the CPU default and the reference.
+Every layer with a kernel beside its PyTorch reference (the norms, MLA's paged forward, the
+router, the MoE) holds the model's KernelPolicy (ops/policy.py), chosen when the model is built
+or loaded. Few launches per layer on CUDA: rotary cos/sin once per forward, both input
+projections in one GEMM, the residual adds inside the norms, MLA's cache entry and query rope as
+kernels (ops/mla.py).
 """
 
 from __future__ import annotations
@@ -17,41 +19,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import use_kernel
-from . import joint, skinny
+from ..ops.gemm import linear as few_row_linear
+from ..ops.moe import SharedExperts, fused_moe, grouped_moe
+from ..ops.policy import KernelPolicy
 from .config import TargetConfig
-from .fused_moe import ExpertRows, expert_sum
-from .moe import MLP, MoE
-from .norm import RMSNorm
-from .paged import ForwardMeta, absorbed_attention, attend, write_entries
-from .paged_prefill import PrefillMeta, gather_entries
-from .rope import inv_freq_and_factor, rotary_cos_sin, rotate, softmax_scale
+from .layers import MLP, RMSNorm, Router, both, inv_freq_and_factor, join, rotary_cos_sin, rotate, softmax_scale
+from .paged import ForwardMeta, PrefillMeta, absorbed_attention, attend, gather_entries, write_entries
 
 
 class MLA(nn.Module):
     """Multi-head latent attention. Per token the cache keeps the normalized latent
     [kv_lora_rank] and the rotated shared key [qk_rope_head_dim].
 
-    `rope` arguments are (cos, sin) [B, T, qk_rope_head_dim / 2] (rope.rotary_cos_sin), computed
-    once per forward. `fused` picks forward_paged's path like RMSNorm.fused: None (automatic: the
-    Triton kernels of fused_mla.py on CUDA without autograd), True (forced, e.g. under the
-    interpreter in tests) or False (the PyTorch reference).
+    `rope` arguments are (cos, sin) [B, T, qk_rope_head_dim / 2] (layers.rotary_cos_sin), computed
+    once per forward. The policy picks forward_paged's path: ops/mla.py's kernels, the few-row
+    GEMM and the tree-verify kernel, or the PyTorch reference.
     """
 
-    fused: bool | None = None
-
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
         super().__init__()
         self.cfg = cfg
+        self.policy = policy
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, policy)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, policy)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
         self.scale = softmax_scale(cfg)
@@ -61,15 +58,15 @@ class MLA(nn.Module):
         return self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa
 
     def fuse_input_projections(self) -> None:
-        """Both input projections in one buffer (joint.join), so a forward reads the input with
+        """Both input projections in one buffer (layers.join), so a forward reads the input with
         one GEMM. The loader calls it."""
-        joint.join(*self._input_projections())
+        join(*self._input_projections())
 
     def project(self, x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> q [B, T, H, qk_head_dim] (not rotated), kv [B, T, kv_lora_rank + rope]
         (latent before its norm, shared key before rotation). `linear(x, weight)` runs the GEMMs."""
         cfg = self.cfg
-        q, kv = joint.both(*self._input_projections(), x, linear)
+        q, kv = both(*self._input_projections(), x, linear)
         if cfg.q_lora_rank is not None:
             q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
         return q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim), kv
@@ -123,9 +120,12 @@ class MLA(nn.Module):
                                           cfg.kv_lora_rank)
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether forward_paged takes the kernel path (the `fused` switch) for input x. The kernels
-        read every projection's weight, so autograd on any of them keeps the PyTorch path."""
-        return use_kernel(self.fused, "MLA.fused", x, *self.parameters())
+        """Whether forward_paged takes the kernel path for input x (the policy). The kernels read
+        every projection's weight, so autograd on any of them keeps the PyTorch path."""
+        return self.policy.kernel("MLA", x, *self.parameters())
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return few_row_linear(x, weight, max_rows=self.policy.gemm_max_rows, pdl=self.policy.pdl)
 
     def forward_paged(self, x: torch.Tensor, meta: ForwardMeta, cache: torch.Tensor,
                       rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -133,56 +133,105 @@ class MLA(nn.Module):
         cfg = self.cfg
         b, n, _ = x.shape
         w = self.absorbed_weight()
-        if self.uses_kernels(x):  # a decode step's GEMMs run skinny's few-row kernel
-            q, kv = self.project(x, skinny.linear)
+        if self.uses_kernels(x):  # a decode step's GEMMs run the few-row kernel
+            q, kv = self.project(x, self._linear)
             norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
-            out = absorbed_attention(q, kv, w, norm, meta, cache, rope, self.scale, cfg.rope_interleave)
-            return skinny.linear(out.view(b, n, -1), self.o_proj.weight)
+            out = absorbed_attention(q, kv, w, norm, meta, cache, rope, self.scale, cfg.rope_interleave, self.policy)
+            return self._linear(out.view(b, n, -1), self.o_proj.weight)
         q, kv = self.project(x)
         q_nope, q_rope, entries = self.rotated(q, kv, rope)
         write_entries(cache, entries, meta)
         q_latent = torch.einsum("bnhk,hkc->bnhc", q_nope, w[:, : cfg.qk_nope_head_dim])  # W_UK absorbed
-        out_latent = attend(torch.cat([q_latent, q_rope], -1), cache, meta, self.scale, cfg.kv_lora_rank)
+        out_latent = attend(torch.cat([q_latent, q_rope], -1), cache, meta, self.scale, cfg.kv_lora_rank)  # reference
         out = torch.einsum("bnhc,hvc->bnhv", out_latent.to(x.dtype), w[:, cfg.qk_nope_head_dim :])  # W_UV
         return self.o_proj(out.reshape(b, n, -1))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer: int):
+class MoE(nn.Module):
+    """Routed experts plus the shared experts. Two paths, the policy's choice (moe_fused):
+
+    - grouped: ops/moe.grouped_moe, pairs sorted by expert for two grouped GEMMs: the reference,
+      the path for many rows (large batches of trees, long prefill chunks) and for autograd.
+    - fused: ops/moe.fused_moe, which reads each touched expert's weights once per block of its
+      rows, and the shared experts' in the same launches.
+    """
+
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLA(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Router(cfg, policy)
+        self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert [gate | up], transposed
+        self.w_down = nn.Parameter(torch.empty(e, i, h))
+        self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
+        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        if router_ids is not None:
+            router_ids.append(ids)
+        shared = None
+        # The fused path reads the shared MLP's weights too: autograd on any of them keeps PyTorch.
+        others = self.shared_experts.parameters() if self.shared_experts is not None else ()
+        if self.policy.moe_fused(x.shape[0], ids.numel(), x.dtype, x, weights, self.w_gate_up, self.w_down, *others):
+            shared = self._shared_in_place()
+            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared=shared,
+                            direct_max_tokens=self.policy.moe_direct_max_tokens, pdl=self.policy.pdl)
+        else:
+            out = grouped_moe(x, self.w_gate_up, self.w_down, weights, ids)
+        if self.shared_experts is not None and shared is None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def _shared_in_place(self) -> SharedExperts | None:
+        """The shared MLP's weights for fused_moe, which adds it inside its own launches; None (the
+        MLP runs on its own) when there is none, or when its width is not a whole number of routed
+        experts or its weights are not plain contiguous tensors of the experts' dtype."""
+        mlp = self.shared_experts
+        if mlp is None or mlp.gate_proj.weight.shape[0] % self.w_down.shape[1]:
+            return None
+        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        if any(not w.is_contiguous() or w.dtype != self.w_down.dtype for w in weights):
+            return None
+        return SharedExperts(*weights)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer: int, policy: KernelPolicy = KernelPolicy()):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
+        self.self_attn = MLA(cfg, policy)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
+        self.mlp = MoE(cfg, policy) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.self_attn.forward_prefill(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_paged(self, x: torch.Tensor, delta: torch.Tensor | ExpertRows | None,
-                      meta: ForwardMeta | PrefillMeta,
+    def forward_paged(self, x: torch.Tensor, delta: torch.Tensor | None, meta: ForwardMeta | PrefillMeta,
                       cache: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      router_ids: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | ExpertRows]:
+                      router_ids: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's input is x + delta (delta: the previous layer's MLP output, None for the
         first), so that each residual add runs inside the norm after it. Returns (residual,
-        mlp_out): [B, N, hidden] each, or for mlp_out on the fused MoE path its unsummed
-        ExpertRows (the next norm sums them; fused_moe.expert_sum gives the tensor); their sum is the
-        layer's output."""
+        mlp_out), [B, N, hidden] each; their sum is the layer's output."""
         attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm(x, delta)
         x, h = self.post_attention_layernorm(x, attn(h, meta, cache, rope))
-        return x, (self.mlp(h, router_ids, unsummed=True) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x, (self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Target(nn.Module):
-    """Embedding, decoder layers, final norm, lm_head."""
+    """Embedding, decoder layers, final norm, lm_head. policy: every layer's kernel policy."""
 
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, policy) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq, factor = inv_freq_and_factor(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -246,11 +295,9 @@ class Target(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x, delta = layer.forward_paged(x, delta, meta, cache, rope, router_ids)
             if i in hidden_layers:
-                delta = expert_sum(delta, x)
                 captured.append(x + delta)
         if logit_rows is not None:
             rows = logit_rows.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
-            delta = expert_sum(delta, x)
             x, delta = x.gather(1, rows), (None if delta is None else delta.gather(1, rows))
         return self.lm_head(self.norm(x) if delta is None else self.norm(x, delta)[1]).float(), captured
 

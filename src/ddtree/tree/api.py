@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import require_kernel_device
+from ..ops.launch import require_kernel_device
 from .reference import accept_paths_reference, build_trees_reference
 from .types import (
     MAX_TRITON_BUDGET,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import require_kernel_device
+from ..ops.launch import require_kernel_device
 
 _FLIP_MAGNITUDE = 0x7FFFFFFF  # flips every bit but the sign of a float32's bit pattern
 

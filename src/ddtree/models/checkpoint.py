@@ -1,0 +1,283 @@
+"""Checkpoints: a target or drafter built from a Hugging Face model directory, streaming tensors
+shard by shard, and written back as one (the inverse: DeepseekV3's tensor names, routed experts as
+one gate / up / down tensor each, the `model.` prefix, so transformers' DeepseekV3ForCausalLM reads
+the same directory; shards under max_shard_bytes, with an index when there is more than one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..ops.policy import KernelPolicy
+from .config import TargetConfig
+from .drafter import Drafter, DrafterConfig, check_pair
+from .layers import inv_freq_and_factor
+from .target import MoE, Target
+
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_LOADABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when sharded."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"checkpoint {path} is missing shard(s) {missing} listed in its index")
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def checkpoint_tensors(path: Path, dtype: torch.dtype, skip=lambda name: False):
+    """Yield (name, tensor in `dtype`) over every shard, one tensor at a time (no full copy of the
+    model in host memory); names for which `skip` is true are never read; quantized storage is
+    refused."""
+    for shard in shard_files(path):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if skip(name):
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.dtype not in _LOADABLE_DTYPES:
+                    raise NotImplementedError(
+                        f"checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported yet"
+                    )
+                yield name, tensor.to(dtype)
+
+
+def _materialize(module: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
+    """Uninitialized storage on `device` for a module built on the meta device, allocated in
+    `dtype` at once (casting after allocating would peak at float32: 216 GB for 4 of Kimi K2's layers)."""
+    return module.to(dtype).to_empty(device=device)
+
+
+def _empty_target(cfg: TargetConfig, dtype: torch.dtype, device, policy: KernelPolicy) -> Target:
+    with torch.device("meta"):
+        model = Target(cfg, policy)
+    model = _materialize(model, dtype, device)
+    model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)  # stays float32, unlike the weights
+    model.fuse_input_projections()  # before any weight is copied in: one GEMM reads each layer's input
+    return model
+
+
+def _place(
+    model: Target, params: dict[str, torch.nn.Parameter], cfg: TargetConfig, name: str, tensor: torch.Tensor, loaded: set[str]
+) -> None:
+    """Copy one checkpoint tensor into the model, checking its shape; raises naming the tensor."""
+    key = name.removeprefix("model.")
+    expert = _EXPERT.fullmatch(key)
+    if expert:
+        layer, e, proj = int(expert[1]), int(expert[2]), expert[3]
+        moe = model.layers[layer].mlp
+        if not isinstance(moe, MoE) or e >= cfg.n_routed_experts:
+            raise ValueError(f"unexpected checkpoint tensor {name} (layer {layer} has no routed expert {e})")
+        inter = cfg.moe_intermediate_size
+        target, rows = {
+            "gate_proj": (moe.w_gate_up.data[e, :, :inter], (inter, cfg.hidden_size)),
+            "up_proj": (moe.w_gate_up.data[e, :, inter:], (inter, cfg.hidden_size)),
+            "down_proj": (moe.w_down.data[e], (cfg.hidden_size, inter)),
+        }[proj]
+        if tuple(tensor.shape) != rows:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {rows}")
+        target.copy_(tensor.T)
+        loaded.add(name)
+        return
+    assign(params, key, name, tensor)
+    loaded.add(key)
+
+
+def assign(params: dict[str, torch.nn.Parameter], key: str, name: str, tensor: torch.Tensor) -> None:
+    """Copy checkpoint tensor `name` into params[key], checking that it exists and its shape."""
+    if key not in params:
+        raise ValueError(f"unexpected checkpoint tensor {name} (no such parameter in the model)")
+    param = params[key]
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def random_target(
+    cfg: TargetConfig, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0,
+    std: float = 0.02, policy: KernelPolicy = KernelPolicy()
+) -> Target:
+    """A target with random weights made directly on `device` (no host copy, no checkpoint), for
+    benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2)."""
+    return init_random(_empty_target(cfg, dtype, device, policy), seed=seed, std=std).eval()
+
+
+@torch.no_grad()
+def init_random(model: torch.nn.Module, *, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
+    """Fill a model's weights in place, on their device, with random_target's distributions
+    (norms 1, router bias 0, every other weight N(0, std^2)); returns the model."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("e_score_correction_bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+    return model
+
+
+def load_drafter(
+    path: str | Path, target: Target, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+    policy: KernelPolicy = KernelPolicy()
+) -> Drafter:
+    """A DFlash drafter for `target` (pair checked first), streamed like load_target.
+
+    dtype and device default to the target's: the drafter reads the target's embeddings and
+    hidden states and feeds its lm_head, so it must live where the target does. policy: its
+    norms' kernel policy (ops/policy.py).
+    """
+    path = Path(path)
+    cfg = DrafterConfig.from_pretrained(path)
+    check_pair(target.cfg, cfg)
+    weight = target.embed_tokens.weight
+    dtype = dtype or weight.dtype
+    device = device or weight.device
+    with torch.device("meta"):
+        model = Drafter(cfg, policy)
+    model = _materialize(model, dtype, device)
+    model.fuse_input_projections()  # before any weight is copied in: one GEMM for each MLP's gate and up
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    shared = ("embed_tokens.weight", "lm_head.weight")  # the drafter uses the target's
+    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: name.removeprefix("model.") in shared):
+        key = name.removeprefix("model.")
+        assign(params, key, name, tensor)
+        loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"drafter checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
+    return model.eval()
+
+
+def _skipped(name: str, cfg: TargetConfig) -> bool:
+    """Tensors the target does not use: multi-token-prediction layers past num_hidden_layers and
+    cached rotary tables."""
+    layer = _LAYER.search(name)
+    return (layer is not None and int(layer[1]) >= cfg.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
+
+
+def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                policy: KernelPolicy = KernelPolicy()) -> Target:
+    """Build the target from config.json and fill it from the checkpoint's safetensors shards.
+
+    Tensors are read one at a time (no full copy of the model in host memory), checked against the
+    expected shape and copied into place; anything missing or unexpected is an error naming it.
+    policy: every layer's kernel policy (ops/policy.py).
+    """
+    path = Path(path)
+    cfg = TargetConfig.from_pretrained(path)
+    model = _empty_target(cfg, dtype, device, policy)
+    params = dict(model.named_parameters())
+    expected = {n for n in params if not n.endswith((".w_gate_up", ".w_down"))}
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    expert_tensors = {
+        f"model.layers.{i}.mlp.experts.{e}.{p}.weight"
+        for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
+        for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    loaded: set[str] = set()
+    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: _skipped(name, cfg)):
+        _place(model, params, cfg, name, tensor, loaded)
+    missing = sorted((expected | expert_tensors) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def target_tensors(model: Target) -> dict[str, torch.Tensor]:
+    """Every tensor of the target under its DeepseekV3 checkpoint name; tied lm_head omitted."""
+    cfg = model.cfg
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name.endswith((".w_gate_up", ".w_down")):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            raise ValueError("the config ties lm_head to embed_tokens but the model's lm_head is a separate tensor")
+        out[name if name == "lm_head.weight" else f"model.{name}"] = param.detach()
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in out:  # a tied module that the config calls untied
+        out["lm_head.weight"] = model.lm_head.weight.detach()
+    inter = cfg.moe_intermediate_size
+    for i, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, MoE):
+            continue
+        for e in range(cfg.n_routed_experts):
+            prefix = f"model.layers.{i}.mlp.experts.{e}."
+            w_gate_up, w_down = layer.mlp.w_gate_up[e].detach(), layer.mlp.w_down[e].detach()
+            out[prefix + "gate_proj.weight"] = w_gate_up[:, :inter].T
+            out[prefix + "up_proj.weight"] = w_gate_up[:, inter:].T
+            out[prefix + "down_proj.weight"] = w_down.T
+    return out
+
+
+def write_shards(tensors: dict[str, torch.Tensor], path: str | Path, dtype: torch.dtype, max_shard_bytes: int) -> list[str]:
+    """Save tensors (cast to dtype, on the CPU) as safetensors shards of at most max_shard_bytes,
+    replacing any earlier weights in path; returns the shard file names. One shard is
+    model.safetensors, several get an index."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    # An earlier save's shards or index would be read instead of (or mixed with) these weights.
+    for old in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name].to("cpu", dtype).contiguous().clone()
+        nbytes = t.numel() * t.element_size()
+        if nbytes > max_shard_bytes:
+            raise ValueError(f"tensor {name} ({nbytes} bytes) is larger than max_shard_bytes={max_shard_bytes}")
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {n: file for file, shard in zip(names, shards) for n in shard}
+        total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    for file, shard in zip(names, shards):
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+    return names
+
+
+def save_target(model: Target, config: dict, path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                max_shard_bytes: int = 15 << 20) -> None:
+    """Write config.json (the given Hugging Face config dict) and the weights in dtype."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_shards(target_tensors(model), path, dtype, max_shard_bytes)
+
+
+def save_drafter(model: Drafter, config: dict, path: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                 max_shard_bytes: int = 15 << 20) -> None:
+    """Write a DFlash drafter: config.json and its own weights (embeddings and lm_head are the target's)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_shards({n: p.detach() for n, p in model.named_parameters()}, path, dtype, max_shard_bytes)

@@ -1,0 +1,225 @@
+"""The target's small layers, PyTorch first: two projections in one buffer, rotary embedding with
+DeepSeek's YaRN scaling, RMSNorm, the SwiGLU MLP and the MoE router.
+
+RMSNorm and the router hold a KernelPolicy (ops/policy.py): it says whether a forward runs their
+Triton kernel (ops/norm.py, ops/router.py) or the PyTorch reference beside it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.gemm import linear as few_row_linear
+from ..ops.launch import DTYPES as KERNEL_DTYPES
+from ..ops.norm import rms_norm, rms_norm_reference
+from ..ops.policy import KernelPolicy
+from ..ops.router import fused_route, route_reference
+from .config import TargetConfig
+
+# -- two projections of one input in one buffer ------------------------------------------------
+# Parameter names, shapes and state_dict stay as they were: each weight is a view of the joint
+# buffer. A later .to() or reassignment splits them again, and the caller falls back to two GEMMs.
+
+def join(first: nn.Linear, second: nn.Linear) -> None:
+    """Move both weights ([out_1, in], [out_2, in]) into one [out_1 + out_2, in] buffer, values kept."""
+    joint = torch.cat([first.weight.detach(), second.weight.detach()])
+    first.weight = nn.Parameter(joint[: first.weight.shape[0]], requires_grad=first.weight.requires_grad)
+    second.weight = nn.Parameter(joint[first.weight.shape[0] :], requires_grad=second.weight.requires_grad)
+
+
+def joint_weight(first: nn.Linear, second: nn.Linear) -> torch.Tensor | None:
+    """[out_1 + out_2, in]: both weights as one view when they are adjacent in memory (join) and no
+    gradient is wanted (the view would feed only one of them); else None."""
+    a, b = first.weight, second.weight
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return None
+    if a.dtype != b.dtype or a.device != b.device or not (a.is_contiguous() and b.is_contiguous()):
+        return None
+    if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+        return None
+    # Adjacent is not enough: two separate allocations can sit back to back (the CUDA caching
+    # allocator did so on the H200 after a .to()); the view must stay inside one storage.
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
+
+
+def both(first: nn.Linear, second: nn.Linear, x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)) for x [..., in]: one GEMM over the joint view when there is one.
+    `linear(x, weight)` computes it (ops/gemm.linear on a decode step's kernel path; it reads the
+    weights only, so it is for bias-free projections)."""
+    joint = joint_weight(first, second)
+    if joint is None:  # the modules themselves, unless another GEMM was asked for
+        if linear is F.linear:
+            return first(x), second(x)
+        return linear(x, first.weight), linear(x, second.weight)
+    return linear(x, joint).split([first.weight.shape[0], second.weight.shape[0]], dim=-1)
+
+
+# -- rotary embedding (YaRN) and MLA's softmax scale --------------------------------------------
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _is_yarn(cfg: TargetConfig) -> bool:
+    return bool(cfg.rope_scaling) and cfg.rope_scaling.get("type") == "yarn"
+
+
+def inv_freq_and_factor(cfg: TargetConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies float32 [qk_rope_head_dim / 2] and the cos/sin multiplier."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if not _is_yarn(cfg):
+        return 1.0 / pos_freqs, 1.0
+    rs = cfg.rope_scaling
+    factor = rs.get("factor") or cfg.max_position_embeddings / rs["original_max_position_embeddings"]
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+    original = rs["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of the unscaled frequency, per pair
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def softmax_scale(cfg: TargetConfig) -> float:
+    """(qk_nope + qk_rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when scaled."""
+    scale = cfg.qk_head_dim**-0.5
+    if _is_yarn(cfg) and cfg.rope_scaling.get("mscale_all_dim"):
+        m = yarn_mscale(cfg.rope_scaling["factor"], cfg.rope_scaling["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., T, rope_dim / 2] in dtype, times factor (YaRN's attention factor), at
+    integer positions [..., T]. A forward computes them once and every layer rotates with them."""
+    angles = positions[..., None].float() * inv_freq.to(positions.device)  # [..., T, rope/2]
+    return (angles.cos() * factor).to(dtype), (angles.sin() * factor).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate x [..., T, heads, rope_dim] by cos, sin [..., T, rope_dim / 2] (rotary_cos_sin).
+
+    interleave=True: pairs (x0, x1), (x2, x3), ... share a frequency and the result is laid out
+    de-interleaved (evens then odds), as DeepSeek's checkpoints expect; False: rotate-half pairs.
+    """
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# -- RMSNorm, the SwiGLU MLP, the router --------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm, with the residual add that precedes it in a decoder layer: `norm(x)` or
+    `norm(x, delta)` = (x + delta, RMSNorm(x + delta)). The kernel (ops/norm.py) when the policy
+    says so; both round at the same points."""
+
+    def __init__(self, dim: int, eps: float, policy: KernelPolicy = KernelPolicy()):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None):
+        """x [..., dim] -> RMSNorm(x) [..., dim]; with delta (x's shape), (x + delta, RMSNorm(x + delta))."""
+        if self._use_kernel(x, delta):
+            return rms_norm(x, self.weight, self.eps, delta, pdl=self.policy.pdl)
+        if delta is None:
+            return rms_norm_reference(x, self.weight, self.eps)
+        x = x + delta
+        return x, rms_norm_reference(x, self.weight, self.eps)
+
+    def _use_kernel(self, x: torch.Tensor, delta: torch.Tensor | None) -> bool:
+        tensors = (x, self.weight) if delta is None else (x, self.weight, delta)
+        if not self.policy.kernel("RMSNorm", *tensors):
+            return False
+        # "auto" leaves other dtypes (float64 checks) on PyTorch; forced kernels would refuse them.
+        return not self.policy.automatic or (x.dtype in KERNEL_DTYPES and self.weight.dtype in KERNEL_DTYPES and (
+            delta is None or (delta.dtype == x.dtype and delta.shape == x.shape)))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def fuse_input_projections(self) -> None:
+        """gate_proj and up_proj in one buffer (join): one GEMM reads the input."""
+        join(self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = both(self.gate_proj, self.up_proj, x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """Top-k expert choice per token: sigmoid scores with a correction bias and group limits
+    (noaux_tc: DeepSeek-V3, Kimi K2, Moonlight) or softmax scores (greedy: DeepSeek-V2). After the
+    float32 GEMM, ops/router.py's kernel or its reference, as the policy says: the same ids, ties
+    included, and weights up to float32 rounding."""
+
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        bias = cfg.topk_method == "noaux_tc"
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts)) if bias else None
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights float32 [T, k], expert ids int64 [T, k])."""
+        cfg = self.cfg
+        options = dict(scoring_func=cfg.scoring_func, topk_method=cfg.topk_method, n_group=cfg.n_group,
+                       topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                       routed_scaling_factor=cfg.routed_scaling_factor)
+        if not self.policy.kernel("Router", x, self.weight):
+            return route_reference(self._logits(x), self.e_score_correction_bias, cfg.num_experts_per_tok, **options)
+        return fused_route(self._logits(x, kernels=True), self.e_score_correction_bias, cfg.num_experts_per_tok,
+                           pdl=self.policy.pdl, **options)
+
+    def _logits(self, x: torch.Tensor, kernels: bool = False) -> torch.Tensor:
+        """x [T, hidden] -> float32 [T, E]. On CUDA (or on the kernel path, through the few-row
+        GEMM), 16-bit x and weight go through one GEMM with a float32 output: products of 16-bit
+        values are exact in float32, so it is the float32 GEMM up to summation order, without the
+        two casting copies per layer."""
+        w = self.weight
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+        if x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16) and not needs_grad:
+            if kernels:
+                return few_row_linear(x, w, out_dtype=torch.float32, max_rows=self.policy.gemm_max_rows,
+                                      pdl=self.policy.pdl)
+            if x.is_cuda:
+                return torch.mm(x, w.t(), out_dtype=torch.float32)
+        return F.linear(x.float(), w.float())

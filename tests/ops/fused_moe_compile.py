@@ -1,0 +1,80 @@
+"""Compile the fused MoE kernels for sm_90 without a GPU (Triton ships ptxas and cuobjdump) and
+report what the hardware would get: shared memory, registers, spills, tensor-core instructions and
+pipelined (cp.async) loads. Run without TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ddtree.ops import moe as fused_moe
+from ddtree.ops import moe_align
+from ddtree.ops import moe_kernels as fused_moe_kernels
+
+from ..sm90_assembly import assemble, waits_before_memory
+
+# Integer arguments that a launch at Kimi K2 / Moonlight shapes does not see as multiples of 16;
+# Triton specializes every other pointer and integer there as 16-divisible, and so does this.
+NOT_DIVISIBLE = {"num_pairs", "num_tokens", "top_k", "num_experts", "num_blocks", "routed_blocks", "token_blocks"}
+
+
+def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1,
+                   not_divisible: tuple[str, ...] = ()) -> dict:
+    """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n,
+    "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait,
+    "waits_first": the first wait comes before any global memory access} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
+    Triton types ("*bf16", "fp32"); not_divisible: more arguments not specialized as 16-divisible.
+    A kernel with a PDL constexpr is compiled with it on, as an H200 launches it (ops/launch.py)."""
+    if "PDL" in fn.arg_names:
+        constants = {"PDL": True, **constants}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = constants[name]
+            continue
+        signature[name] = pointers.get(name, "i32")
+        if name not in NOT_DIVISIBLE and name not in not_divisible:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    asm = assemble(compiled)
+    return {
+        "shared": compiled.metadata.shared,
+        "registers": asm["registers"],
+        "spill_bytes": asm["spill_bytes"],
+        "mma": len(re.findall(r"\bHG?MMA\.", asm["sass"])),
+        "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
+        "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
+        "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
+        "waits_first": waits_before_memory(compiled.asm["ptx"]),
+    }
+
+
+def all_reports() -> dict[str, dict]:
+    """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
+    alignment); the alignment at 64 tokens x 8 of 384 experts."""
+    dtype = "*bf16"
+    tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
+                 DOT_F32=False, PRECISION="tf32")
+    index = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32")
+    gemm = dict(num_warps=fused_moe.NUM_WARPS, num_stages=fused_moe.NUM_STAGES)
+    gate_up_pointers = dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, shared_gate_ptr=dtype, shared_up_ptr=dtype, **index)
+    down_pointers = dict(h_ptr=dtype, w_ptr=dtype, weights_ptr="*fp32", y_ptr="*fp32", shared_down_ptr=dtype, **index)
+    direct = dict(tiles, DIRECT=True)
+    tiles = dict(tiles, DIRECT=False)
+    return {
+        "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
+                                dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
+        "gate_up": compile_report(fused_moe_kernels._gate_up_kernel, gate_up_pointers, tiles, **gemm),
+        "down": compile_report(fused_moe_kernels._down_kernel, down_pointers, tiles, **gemm),
+        "gate_up_direct": compile_report(fused_moe_kernels._gate_up_kernel, dict(gate_up_pointers, block_expert_ptr="*i64"),
+                                         direct, **gemm),
+        "down_direct": compile_report(fused_moe_kernels._down_kernel, dict(down_pointers, block_expert_ptr="*i64"),
+                                      direct, **gemm),
+        "sum": compile_report(fused_moe_kernels._sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
+                              dict(TOP_K=8, SHARED=1, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
+    }

@@ -1,0 +1,31 @@
+"""Compile the decode step's small PDL kernels for sm_90 without a GPU (see fused_moe_compile.py):
+the norm (with a residual), MLA's rotary and cache-entry
+kernels, and the attention's split merge, at Moonlight's widths. Run without TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+from ddtree.attention import tree_verify
+from ddtree.ops import mla as fused_mla
+from ddtree.ops import norm as fused_norm
+
+from .fused_moe_compile import compile_report
+
+BF16 = "*bf16"
+
+
+def all_reports() -> dict[str, dict]:
+    norm = dict(x_ptr=BF16, delta_ptr=BF16, w_ptr=BF16, out_ptr=BF16, sum_ptr=BF16, eps="fp32")
+    rope = dict(x_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16)
+    entry = dict(kv_ptr=BF16, w_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, slot_ptr="*i64", cache_ptr=BF16, eps="fp32")
+    merge = dict(part_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=BF16, lse_ptr="*fp32")
+    return {
+        "rms_norm_delta": compile_report(fused_norm._rms_norm_kernel, norm, dict(HAS_DELTA=True, BLOCK=2048),
+                                         num_warps=4),
+        "rotary": compile_report(fused_mla._rotary_kernel, rope, dict(HALF=32, BLOCK_HALF=32, INTERLEAVE=True),
+                                 num_warps=1),
+        "latent_entry": compile_report(fused_mla._latent_entry_kernel, entry,
+                                       dict(HALF=32, BLOCK_C=512, BLOCK_HALF=32, INTERLEAVE=True),
+                                       num_warps=fused_mla.ENTRY_WARPS),
+        "merge_splits": compile_report(tree_verify._merge_splits_kernel, merge,
+                                       dict(D_V=512, SPLITS=32, BLOCK_V=128), num_warps=4),
+    }

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, write_results  # noqa: E402
 
 from ddtree import Engine  # noqa: E402
-from ddtree.engine.oracle import OracleDrafter  # noqa: E402
+from oracle import OracleDrafter  # noqa: E402
 from ddtree.models import Drafter, DrafterConfig, ForwardMeta, TargetConfig, random_target  # noqa: E402
 from ddtree.tree import pack_visibility  # noqa: E402
 

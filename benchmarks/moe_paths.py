@@ -1,4 +1,4 @@
-"""Routed experts at few rows: the fused Triton MoE (models/fused_moe.py, several tile shapes)
+"""Routed experts at few rows: the fused Triton MoE (ops/moe.py, several tile shapes)
 against the grouped-GEMM path (MoE._grouped, torch._grouped_mm) it replaces below
 KernelPolicy.moe_fused_max_tokens, and against the floor of reading the touched experts' weights once.
 

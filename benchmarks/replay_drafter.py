@@ -5,7 +5,7 @@ stands in for a trained one: it runs the wrapped drafter (so its pass costs what
 replaces the logits. Each (slot, round) draws one round recorded on the demo pair
 (benchmarks/record_acceptance.py), by a hash of the slot and its context length, and at every
 depth d puts the target's known next token (the greedy continuation, set per slot as in
-engine/oracle.py) at the rank the demo pair's target token had, with the drafter's recorded top-K
+benchmarks/oracle.py) at the rank the demo pair's target token had, with the drafter's recorded top-K
 log-probabilities; the other ranks hold other tokens, and the rest of the probability mass is
 spread evenly over the rest of the vocabulary. So per depth the rank of the target's token and the
 drafter's probabilities follow the demo pair's distributions, whole rounds at a time (the
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ddtree.engine.oracle import OracleDrafter
+from oracle import OracleDrafter
 
 RECORDED = Path(__file__).resolve().parent / "data" / "demo_acceptance.safetensors"
 _MIX = 0x9E3779B97F4A7C15 >> 2  # an odd 62-bit multiplier: slots and lengths spread over the recorded rounds

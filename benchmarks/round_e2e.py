@@ -1,7 +1,7 @@
 """End to end with acceptance forced to a known length L: tokens/s of `ar`, `chain`, `ddtree`.
 
 The engine (rounds replayed from CUDA graphs on a GPU unless --eager-e2e; eager on the CPU) generates for B prompts of `prefix` random tokens.
-`ar` runs first; its greedy continuation is what an OracleDrafter (engine/oracle.py) proposes:
+`ar` runs first; its greedy continuation is what an OracleDrafter (benchmarks/oracle.py) proposes:
 the random drafter's pass still runs and is timed, then its first L - 1 drafted positions are
 replaced by the continuation, so every round commits L - 1 accepted nodes + the bonus. The
 target's next choice could sit in the random rest of a tree only by chance, so the measured
@@ -21,7 +21,7 @@ import time
 import torch
 
 from ddtree import Engine
-from ddtree.engine.oracle import OracleDrafter
+from oracle import OracleDrafter
 
 
 def _timed(engine: Engine, prompts, new: int, mode: str, budget: int):

@@ -1,8 +1,13 @@
 """Test set-up: Triton kernels run natively on CUDA, and under TRITON_INTERPRET=1 on the CPU."""
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# benchmarks/ holds tools the tests use too (oracle.py's forced-acceptance drafter)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit kernel is defined (triton reads it at decoration time).

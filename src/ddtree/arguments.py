@@ -146,3 +146,25 @@ def check_before_loading(args) -> str | None:
     if isinstance(budget_, int) and budget_ > args.max_budget:
         return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"
     return None
+
+
+def cache_line(engine) -> str:
+    """What the KV cache holds, for the start-up line."""
+    pages, size = engine.blocks.num_pages, engine.page_size
+    mib = sum(c.numel() * c.element_size() for c in engine.caches) / 2**20
+    requests = f"{engine.max_batch} request" + ("s" if engine.max_batch > 1 else "")
+    return (f"KV cache of {pages} pages x {size} slots ({pages * size} tokens, {mib:.0f} MiB) for up to "
+            f"{requests} of {engine.max_model_len} tokens")
+
+
+def load_engine(args, **engine_args):
+    """The Engine that add_pair_arguments' flags describe."""
+    import torch
+
+    from .engine import Engine
+
+    return Engine.from_pretrained(
+        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
+        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget, cuda_graphs=args.cuda_graphs,
+        **engine_args)

@@ -10,8 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from .arguments import (Parser, add_pair_arguments, at_least_zero, at_least_zero_int, budget,
-                        check_before_loading, positive, probability)
+from .arguments import (Parser, add_pair_arguments, at_least_zero, at_least_zero_int, budget, cache_line,
+                        check_before_loading, load_engine, positive, probability)
 
 MEASURED_LENGTH = 1024  # what the round-cost stand-ins run in (engine/profiling.py: 256 + 657 tokens)
 STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")
@@ -161,28 +161,6 @@ def size_to_prompts(args) -> None:
         limit = min(positions, 8192)
         # at least MEASURED_LENGTH: room for the round-cost measurement's stand-ins to keep running
         args.max_model_len = min(max(longest + args.max_new_tokens, MEASURED_LENGTH), limit)
-
-
-def cache_line(engine) -> str:
-    """What the KV cache holds, for the start-up line."""
-    pages, size = engine.blocks.num_pages, engine.page_size
-    mib = sum(c.numel() * c.element_size() for c in engine.caches) / 2**20
-    requests = f"{engine.max_batch} request" + ("s" if engine.max_batch > 1 else "")
-    return (f"KV cache of {pages} pages x {size} slots ({pages * size} tokens, {mib:.0f} MiB) for up to "
-            f"{requests} of {engine.max_model_len} tokens")
-
-
-def load_engine(args, **engine_args):
-    """The Engine that add_pair_arguments' flags describe."""
-    import torch
-
-    from .engine import Engine
-
-    return Engine.from_pretrained(
-        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
-        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget, cuda_graphs=args.cuda_graphs,
-        **engine_args)
 
 
 def _quiet_transformers() -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .arguments import add_pair_arguments, positive, serving_batch
-from .cli import load_engine
+from .arguments import add_pair_arguments, load_engine, positive, serving_batch
 
 
 def add_profile_command(commands):

@@ -23,7 +23,7 @@ from ..sm90_assembly import assemble, waits_before_memory
 
 def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
     """{"shared": bytes, "registers": n, "spill_bytes": n, "hgmma": Counter of SASS HGMMA shapes,
-    "ttgir": text} for one configuration of _tree_verify_hopper_kernel, compiled for sm_90a."""
+    "ttgir": text} for one configuration of tree_verify_hopper_kernel, compiled for sm_90a."""
     target = GPUTarget("cuda", 90, 32)
     backend = CUDABackend(target)
     layout = gl.NVMMASharedLayout(128, 16)
@@ -41,7 +41,7 @@ def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
                    num_rows_ptr=torch.zeros(1, dtype=torch.int32), vis_ptr=torch.zeros(1, dtype=torch.int64),
                    out_ptr=out, lse_ptr=torch.zeros(1))
     constants = dict(D_V=512, D_ROPE=64, BLOCK_M=64, BLOCK_N=64, PAGE_ROWS=page_rows, EPILOGUE=epilogue, PDL=True)
-    fn = tree_verify_hopper._tree_verify_hopper_kernel
+    fn = tree_verify_hopper.tree_verify_hopper_kernel
     signature, constexprs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:

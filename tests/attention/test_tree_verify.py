@@ -12,15 +12,11 @@ from .cases import Case, make_inputs
 SCALE = 192**-0.5 * 1.2**2  # (qk_nope + qk_rope)^-0.5 * mscale^2, as for Kimi K2
 
 
-def _run_and_compare(case: Case, device: str, backend: str, num_splits=None, tol=1e-2, launch=None):
-    """`launch(q, kv, bt, pl, nn, vis, out, lse)` replaces the public call when given."""
+def _run_and_compare(case: Case, device: str, backend: str, num_splits=None, tol=1e-2):
     q, kv, bt, pl, nn, vis = make_inputs(case, device)
     out = torch.full(q.shape[:3] + (512,), float("nan"), dtype=q.dtype, device=device)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=device)
-    if launch is None:
-        tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, num_splits=num_splits, out=(out, lse), backend=backend)
-    else:
-        launch(q, kv, bt, pl, nn, vis, out, lse)
+    tree_verify_mla(q, kv, bt, pl, nn, vis, SCALE, num_splits=num_splits, out=(out, lse), backend=backend)
     ref_out, ref_lse = tree_verify_mla_reference(q.cpu(), kv.cpu(), bt.cpu(), pl.cpu(), nn.cpu(), vis.cpu(), SCALE)
     out, lse = out.cpu().double(), lse.cpu().double()
     assert not torch.isnan(out).any(), "NaN in out (unwritten row or a stray read)"
@@ -76,25 +72,19 @@ def test_large_shapes_on_gpu(heads, prefixes, rows, page, attention_backend):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("epilogue", [0, 1, 2])
-@pytest.mark.parametrize("heads,rows", [(64, 16), (16, 9)])  # whole 64-row tiles per request, or not
-def test_every_hopper_epilogue(epilogue, heads, rows):
-    """Each output path of the Hopper kernel (direct stores, staged in shared memory + 16-byte
-    stores, staged + TMA store), whichever the launcher picks by default."""
+@pytest.mark.parametrize("heads,rows,num_splits", [(64, 16, 1), (16, 9, 1), (64, 16, 2), (16, 9, 3)])
+def test_every_hopper_epilogue(heads, rows, num_splits):
+    """Each output path of the Hopper kernel, as the launcher picks it: staged + TMA store (whole
+    64-row tiles per request, one split), staged + 16-byte stores (a tile that spills into the next
+    request, one split), direct float32 stores of the partials (several splits)."""
     probe = torch.empty(1, 1, 1, 576, dtype=torch.bfloat16, device="cuda")
     why_not = api.hopper_unsupported(probe, torch.empty(1, 64, 576, dtype=torch.bfloat16, device="cuda"))
     if why_not:
         pytest.skip(f"the hopper backend cannot run here: {why_not}")
-    if epilogue == 2 and rows * heads % 64:
-        pytest.skip("the TMA store needs whole 64-row tiles per request")
-
-    def launch(q, kv, bt, pl, nn, vis, out, lse):
-        api._launch_hopper(q, kv, bt, pl, nn, vis, out.unsqueeze(3), lse.unsqueeze(3), SCALE, 1, epilogue=epilogue)
-
-    prefixes = [0, 1, 63, 64, 65, 700, 3, 130] * 40  # 320 requests: each program walks several items
+    prefixes = [0, 1, 63, 64, 65, 700, 3, 130] * 20  # 160 requests: programs of the persistent grid walk several items
     tree_rows = [rows - i % rows for i in range(len(prefixes))]
-    case = Case(heads=heads, prefixes=prefixes, tree_rows=tree_rows, rows=rows, page_size=64, seed=epilogue)
-    _run_and_compare(case, "cuda", "hopper", launch=launch)
+    case = Case(heads=heads, prefixes=prefixes, tree_rows=tree_rows, rows=rows, page_size=64, seed=num_splits)
+    _run_and_compare(case, "cuda", "hopper", num_splits=num_splits)
 
 
 def test_scale_is_the_callers():

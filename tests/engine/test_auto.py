@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from ddtree import Engine  # noqa: E402
 from ddtree.engine.costs import RoundCosts, StepCorrection  # noqa: E402
-from ddtree.engine.oracle import OracleDrafter  # noqa: E402
+from oracle import OracleDrafter  # noqa: E402 (benchmarks/oracle.py)
 from ddtree.models import load_drafter, load_target  # noqa: E402
 
 from .pairs import make_pair, prompts  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ddtree import Engine  # noqa: E402
-from ddtree.engine.oracle import OracleDrafter  # noqa: E402
+from oracle import OracleDrafter  # noqa: E402 (benchmarks/oracle.py)
 from ddtree.models import Drafter, DrafterConfig, TargetConfig, random_target  # noqa: E402
 
 from ..models.checkpoints import tiny_config  # noqa: E402

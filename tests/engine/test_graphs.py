@@ -6,16 +6,20 @@ import torch
 pytest.importorskip("transformers")
 
 from ddtree import Engine  # noqa: E402
-from ddtree.engine.graphs import graph_key_limit  # noqa: E402
+from ddtree.engine.scheduling import PlanLimits, key_bound  # noqa: E402
 
 from .pairs import make_pair, prompts  # noqa: E402
 
 
-def test_graph_key_limit_rounds_up_to_a_power_of_two_within_the_capacity():
-    assert graph_key_limit(None, 4096) is None
-    assert [graph_key_limit(n, 4096) for n in (1, 64, 1000, 1024, 1025, 2049)] == [1024, 1024, 1024, 1024, 2048, 4096]
-    assert graph_key_limit(3000, 3100) == 3100  # never past the drafter cache
-    assert graph_key_limit(100, 600) == 600  # a small cache: its capacity
+def test_the_drafter_key_bound_of_eager_and_graphed_rounds():
+    """Eager rounds read keys rounded up to 64; graphed ones a power of two of at least 1024, so
+    that a growing context needs a new graph only when its length doubles; never past the cache."""
+    graphed = PlanLimits(4, 15, 100, False, drafter_capacity=4096, graphed=True)
+    assert [key_bound(n, graphed) for n in (1, 64, 1000, 1024, 1025, 2049)] == [1024, 1024, 1024, 1024, 2048, 4096]
+    assert key_bound(3000, PlanLimits(4, 15, 100, False, 3100, True)) == 3100  # never past the drafter cache
+    assert key_bound(100, PlanLimits(4, 15, 100, False, 600, True)) == 600  # a small cache: its capacity
+    eager = PlanLimits(4, 15, 100, False, drafter_capacity=4096)
+    assert [key_bound(n, eager) for n in (1, 64, 65, 4090)] == [64, 64, 128, 4096]
 
 
 def test_a_default_cpu_engine_runs_eagerly(tmp_path):

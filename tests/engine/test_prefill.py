@@ -1,13 +1,13 @@
-"""engine.prefill in its two forms: the expanded (SDPA) prefill writes the same cache entries,
-feeds the drafter the same context and chooses the same first tokens as the absorbed reference,
-for a batch of mixed prompt lengths over several chunks, on shuffled pages poisoned with NaN."""
+"""engine.prefill over several chunks writes the cache entries, feeds the drafter the context and
+chooses the first tokens of the same prefill in one chunk, for a batch of mixed prompt lengths on
+shuffled pages poisoned with NaN; and those are the plain causal forward's (the model-level
+prefill form is checked against the verify form in tests/models/test_paged_prefill.py)."""
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from ddtree import Engine  # noqa: E402
 from ddtree.engine.batch import BatchState, SlotSettings  # noqa: E402
 from ddtree.engine.prefill import prefill  # noqa: E402
 from ddtree.engine.round import RoundContext  # noqa: E402
@@ -27,7 +27,7 @@ def models(tmp_path_factory):
     return target, load_drafter(drafter_dir, target)
 
 
-def _run(target, drafter, prompts, form):
+def _run(target, drafter, prompts, chunk):
     pages = len(SLOTS) * PAGES_EACH + 2  # 2 spare pages; the scratch page comes after them
     caches = target.new_cache(pages, PAGE)
     for cache in caches:
@@ -39,16 +39,16 @@ def _run(target, drafter, prompts, form):
         state.block_table[slot] = table.int()
     ctx = RoundContext(target, drafter, caches, PAGE, pages, drafter.cfg.target_layer_ids, target.cfg.n_routed_experts)
     with torch.no_grad():
-        first = prefill(ctx, state, SLOTS, prompts, CHUNK, any_sampled=False, any_filtered=False, form=form)
+        first = prefill(ctx, state, SLOTS, prompts, chunk, any_sampled=False, any_filtered=False)
     return first, caches, state
 
 
-def test_expanded_prefill_equals_the_absorbed_reference(models):
+def test_chunks_equal_one_prefill_and_the_plain_forward(models):
     target, drafter = models
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in LENGTHS]
-    first, caches, state = _run(target, drafter, prompts, "expanded")
-    want_first, want_caches, want_state = _run(target, drafter, prompts, "absorbed")
+    first, caches, state = _run(target, drafter, prompts, CHUNK)
+    want_first, want_caches, want_state = _run(target, drafter, prompts, max(LENGTHS))
     assert torch.equal(first, want_first)
     assert torch.equal(state.bonus, want_state.bonus) and torch.equal(state.prefix_lens, want_state.prefix_lens)
     assert state.prefix_lens[SLOTS].tolist() == LENGTHS
@@ -65,8 +65,12 @@ def test_expanded_prefill_equals_the_absorbed_reference(models):
     for got_layer, want_layer in zip(ctx.keys + ctx.values, want_ctx.keys + want_ctx.values):
         for slot, n in zip(SLOTS, LENGTHS):  # past a prompt's length: padding rows' garbage
             torch.testing.assert_close(got_layer[slot, :n], want_layer[slot, :n], rtol=1e-5, atol=1e-5)
-
-
-def test_an_unknown_form_is_refused(models):
-    with pytest.raises(ValueError, match="prefill_form must be one of"):
-        Engine(*models, num_pages=8, prefill_form="flash")
+    # the plain causal forward of each prompt alone: its greedy next token and its drafter context
+    for i, (slot, prompt) in enumerate(zip(SLOTS, prompts)):
+        with torch.no_grad():
+            logits, hidden = target(torch.tensor([prompt]), hidden_layers=drafter.cfg.target_layer_ids)
+            alone = drafter.new_cache(1, 20)
+            drafter.append_context(alone, torch.cat(hidden, -1), torch.tensor([len(prompt)]))
+        assert int(first[i]) == int(logits[0, -1].argmax())
+        for got_layer, want_layer in zip(ctx.keys + ctx.values, alone.keys + alone.values):
+            torch.testing.assert_close(got_layer[slot, : len(prompt)], want_layer[0, : len(prompt)], rtol=1e-4, atol=1e-5)

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 from ddtree import Engine, SamplingParams  # noqa: E402
 from ddtree.engine import KVCacheFull  # noqa: E402
-from ddtree.engine.oracle import OracleDrafter  # noqa: E402
+from oracle import OracleDrafter  # noqa: E402 (benchmarks/oracle.py)
 from ddtree.models import load_drafter, load_target  # noqa: E402
 
 from .pairs import EOS, make_pair  # noqa: E402

@@ -69,12 +69,12 @@ def all_reports() -> dict[str, dict]:
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
                                 dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
-        "gate_up": compile_report(fused_moe_kernels._gate_up_kernel, gate_up_pointers, tiles, **gemm),
-        "down": compile_report(fused_moe_kernels._down_kernel, down_pointers, tiles, **gemm),
-        "gate_up_direct": compile_report(fused_moe_kernels._gate_up_kernel, dict(gate_up_pointers, block_expert_ptr="*i64"),
+        "gate_up": compile_report(fused_moe_kernels.gate_up_kernel, gate_up_pointers, tiles, **gemm),
+        "down": compile_report(fused_moe_kernels.down_kernel, down_pointers, tiles, **gemm),
+        "gate_up_direct": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, block_expert_ptr="*i64"),
                                          direct, **gemm),
-        "down_direct": compile_report(fused_moe_kernels._down_kernel, dict(down_pointers, block_expert_ptr="*i64"),
+        "down_direct": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, block_expert_ptr="*i64"),
                                       direct, **gemm),
-        "sum": compile_report(fused_moe_kernels._sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
+        "sum": compile_report(fused_moe_kernels.sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
                               dict(TOP_K=8, SHARED=1, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
     }

@@ -26,6 +26,6 @@ def all_reports() -> dict[str, dict]:
         "latent_entry": compile_report(fused_mla._latent_entry_kernel, entry,
                                        dict(HALF=32, BLOCK_C=512, BLOCK_HALF=32, INTERLEAVE=True),
                                        num_warps=fused_mla.ENTRY_WARPS),
-        "merge_splits": compile_report(tree_verify._merge_splits_kernel, merge,
+        "merge_splits": compile_report(tree_verify.merge_splits_kernel, merge,
                                        dict(D_V=512, SPLITS=32, BLOCK_V=128), num_warps=4),
     }

@@ -1,4 +1,4 @@
-"""fused_route (router_kernel.py) against Router's PyTorch path: ids equal, ties included, weights
+"""fused_route (ops/router.py) against its reference route_reference: ids equal, ties included, weights
 to float32 rounding; outputs start as NaN / -7 so an unwritten element shows. Then Router's and
 MoE's switch."""
 

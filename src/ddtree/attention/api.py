@@ -7,7 +7,7 @@ import triton
 from triton import knobs
 
 from ..ops.launch import launch_flags, multiprocessors, require_kernel_device
-from .tree_verify import LOG2E, _merge_splits_kernel, _tree_verify_kernel
+from .tree_verify import LOG2E, merge_splits_kernel, tree_verify_kernel
 
 BACKENDS = ("auto", "hopper", "triton")
 
@@ -122,12 +122,12 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
 
 
 def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
-                   softmax_scale, num_splits, epilogue: int | None = None, pdl: bool = True) -> None:
-    """Launch the Gluon kernel; `epilogue` overrides the output path (dev timing only)."""
+                   softmax_scale, num_splits, pdl: bool = True) -> None:
+    """Launch the Gluon kernel; its output path (EPILOGUE) follows from the splits and the shapes."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .tree_verify_hopper import _tree_verify_hopper_kernel
+    from .tree_verify_hopper import tree_verify_hopper_kernel
 
     batch, rows, heads, dim = q.shape
     page_size = kv_cache.shape[1]
@@ -145,7 +145,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, 
     out_desc = qn  # a placeholder where the epilogue does not use it
     if num_splits > 1:
         epilogue = 0  # float32 partials, stored directly
-    elif epilogue is None:
+    else:
         epilogue = 2 if (rows * heads) % BLOCK_M == 0 else 1  # whole row tiles: TMA cannot spill into the next request
     if epilogue == 2:
         flat = part.view(-1, VALUE_DIM)
@@ -153,7 +153,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, 
     n_row_tiles = triton.cdiv(rows * heads, BLOCK_M)
     n_items = n_row_tiles * batch * num_splits
     grid = (min(n_items, multiprocessors(q.device)),)  # persistent: one program per multiprocessor
-    _tree_verify_hopper_kernel[grid](
+    tree_verify_hopper_kernel[grid](
         qn, qr, kn, kr, out_desc, block_table, prefix_lens, num_rows, visibility,
         part, part_lse,
         block_table.stride(0), visibility.stride(0), visibility.stride(1),
@@ -246,7 +246,7 @@ def tree_verify_mla(
         _launch_triton(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                        softmax_scale, num_splits, block_n, num_warps, num_stages)
     if num_splits > 1:
-        _merge_splits_kernel[(batch * rows * heads, VALUE_DIM // MERGE_BLOCK_V)](
+        merge_splits_kernel[(batch * rows * heads, VALUE_DIM // MERGE_BLOCK_V)](
             part, part_lse, out, lse, num_splits,
             D_V=VALUE_DIM, SPLITS=triton.next_power_of_2(num_splits), BLOCK_V=MERGE_BLOCK_V, num_warps=4,
             **launch_flags(q.device, pdl),
@@ -258,7 +258,7 @@ def _launch_triton(q, kv_cache, block_table, prefix_lens, num_rows, visibility, 
                    softmax_scale, num_splits, block_n, num_warps, num_stages) -> None:
     batch, rows, heads, dim = q.shape
     grid = (triton.cdiv(rows * heads, BLOCK_M), batch, num_splits)
-    _tree_verify_kernel[grid](
+    tree_verify_kernel[grid](
         q, kv_cache, block_table, prefix_lens, num_rows, visibility,
         part, part_lse,
         q.stride(0), q.stride(1), q.stride(2),

@@ -28,7 +28,7 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _tree_verify_kernel(
+def tree_verify_kernel(
     q_ptr, kv_ptr, block_table_ptr, prefix_ptr, num_rows_ptr, vis_ptr,
     out_ptr, lse_ptr,
     stride_qb, stride_qn, stride_qh,
@@ -105,7 +105,7 @@ def _tree_verify_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
+def merge_splits_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits,
     D_V: tl.constexpr, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr,
 ):

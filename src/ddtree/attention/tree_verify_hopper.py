@@ -114,7 +114,7 @@ def _issue_first_tiles(kn_desc, kr_desc, kn_smem, kr_smem, bars, slot, bt_row_pt
 
 
 @gluon.jit
-def _tree_verify_hopper_kernel(
+def tree_verify_hopper_kernel(
     qn_desc, qr_desc, kn_desc, kr_desc, out_desc, block_table_ptr, prefix_ptr, num_rows_ptr, vis_ptr,
     out_ptr, lse_ptr,
     stride_btb, stride_visb, stride_visn,

@@ -28,12 +28,12 @@ from .graphs import RoundGraphs, graphs_wanted
 from .inflight import Flight, launch_copy
 from .loading import default_num_pages, load_pair
 from .pages import BlockManager, KVCacheFull, pages_for
-from .prefill import PREFILL_FORMS, prefill
+from .prefill import prefill
 from .profiling import buckets_up_to, measure_round_costs
 from .request import Request, RequestOutput, StepOutput, node_limit_for
 from .round import RoundContext, run_round
 from .sampling import SamplingParams
-from .scheduling import batch_requests, generation_params
+from .scheduling import PlanLimits, batch_requests, generation_params
 from .sizing import DEFAULT_TREE_SIZES, tree_sizer
 from .timing import StageTimer
 
@@ -43,7 +43,7 @@ log = logging.getLogger("ddtree.engine")
 class Engine(OfflineGeneration):
     def __init__(self, target: Target, drafter: Drafter | None = None, tokenizer=None, *, max_batch: int = 32,
                  max_model_len: int | None = None, num_pages: int | None = None, page_size: int = 64,
-                 max_budget: int = 256, prefill_chunk: int = 512, prefill_form: str = "expanded",
+                 max_budget: int = 256, prefill_chunk: int = 512,
                  stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool | None = None,
                  overlap: bool = True, tree_sizes: tuple[int, ...] = DEFAULT_TREE_SIZES,
                  round_costs: RoundCosts | str | Path | None = None):
@@ -51,12 +51,11 @@ class Engine(OfflineGeneration):
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
         max_budget: the largest tree budget a request may ask for; prefill_chunk: prompt rows per
-        request per prefill forward; prefill_form: its attention (engine/prefill.py's PREFILL_FORMS).
+        request per prefill forward.
         cuda_graphs: replay each round shape from a CUDA graph (engine/graphs.py). None (default):
         on for a bf16 model on a Hopper or Blackwell GPU, off otherwise; True: required (an error
-        off CUDA or off bf16); False: eager rounds, for debugging. On the H200 a graphed round ran
-        1.2x (B = 32, budget 64) to 10x (ar, B = 1) faster than an eager one
-        (benchmarks/results/engine_round-moonlight-16b-a3b-nvidia-h200.md).
+        off CUDA or off bf16); False: eager rounds, for debugging (graphs' gain:
+        benchmarks/results/engine_round-moonlight-16b-a3b-nvidia-h200.md).
         overlap: read a round's committed tokens back while the next round runs (engine/inflight.py):
         a step returns what the previous round committed. False: each step waits for its own round.
         tree_sizes: the sizes a budget="auto" round may verify (those <= max_budget; plain steps
@@ -77,9 +76,6 @@ class Engine(OfflineGeneration):
         if not 1 <= max_budget <= MAX_TRITON_BUDGET:
             raise ValueError(f"max_budget must be in [1, {MAX_TRITON_BUDGET}], got {max_budget}")
         self.max_budget = max_budget
-        if prefill_form not in PREFILL_FORMS:
-            raise ValueError(f"prefill_form must be one of {PREFILL_FORMS}, got {prefill_form!r}")
-        self.prefill_form = prefill_form
         self.max_depth = drafter.cfg.block_size - 1 if drafter is not None else 0
         width = pages_for(self.max_model_len + max(max_budget, self.max_depth) + 1, page_size)
         num_pages = num_pages or default_num_pages(target, page_size, max_batch * width, self.device)
@@ -101,6 +97,8 @@ class Engine(OfflineGeneration):
         self._last_read: tuple[float, tuple[int, int]] | None = None
         use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
+        self.limits = PlanLimits(max_batch, self.max_depth, cfg.vocab_size, self.moe_layers > 0,
+                                 self.state.drafter.keys[0].shape[1] if drafter is not None else 0, use)
         self.signature = pair_signature(target, drafter, self.device, use, page_size, overlap)
         self.sizer = tree_sizer(tree_sizes, max_budget, self.max_depth, round_costs, self.signature) if drafter else None
         self._waiting: deque[Request] = deque()
@@ -163,14 +161,24 @@ class Engine(OfflineGeneration):
             raise ValueError(f"token ids must be ints in [0, {vocab})")
         return ids
 
+    def node_limit(self, mode: str, budget: int | str) -> int:
+        """The most tree nodes a round may verify for a request of `mode` and `budget` (what
+        admission reserves beyond the root), after checking both."""
+        return node_limit_for(mode, budget, self.max_budget, self.max_depth,
+                              self.sizer.largest if self.sizer is not None else None)
+
+    @property
+    def request_capacity(self) -> int:
+        """The most cache slots one request can hold: its block table's width, or the whole cache."""
+        return min(self.blocks.num_pages, self.blocks.table.shape[1]) * self.page_size
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *, mode: str = "ddtree",
                     budget: int | str = "auto", request_id: str | None = None) -> str:
         """Queue a request; returns its id. Everything is checked here, before it can take a slot.
         budget (mode ddtree): tree nodes per round, or "auto": the engine chooses each round's size
         by what each size measurably delivers per second (engine/sizing.py), plain steps included."""
         params = (params or SamplingParams()).with_seed()
-        node_limit = node_limit_for(mode, budget, self.max_budget, self.max_depth,
-                                    self.sizer.largest if self.sizer is not None else None)
+        node_limit = self.node_limit(mode, budget)
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -183,7 +191,7 @@ class Engine(OfflineGeneration):
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
         request = Request(request_id, ids, params, mode, budget, node_limit, stops, self.tokenizer)
         worst = request.worst_rows()
-        if pages_for(worst, self.page_size) > min(self.blocks.num_pages, self.blocks.table.shape[1]):
+        if pages_for(worst, self.page_size) * self.page_size > self.request_capacity:
             raise KVCacheFull(f"request {request_id} may need {pages_for(worst, self.page_size)} KV pages "
                               f"({worst} slots of {self.page_size}); the cache has num_pages={self.blocks.num_pages}")
         if self.target.cfg.n_routed_experts:
@@ -293,7 +301,7 @@ class Engine(OfflineGeneration):
         sampled, filtered = generation_params([r.params for r in new])
         self.timer.start()
         first = prefill(self.ctx, self.state, [r.slot for r in new], [r.prompt_ids for r in new], self.prefill_chunk,
-                        any_sampled=sampled, any_filtered=filtered, form=self.prefill_form).tolist()
+                        any_sampled=sampled, any_filtered=filtered).tolist()
         self.timer.mark("prefill")
         seconds = self.timer.seconds().get("prefill", 0.0)
         outputs = []
@@ -308,7 +316,7 @@ class Engine(OfflineGeneration):
         # With a round in flight the host's prefix lengths may be one round behind: reserve for
         # the most that round can commit (BatchState.remaining keeps it within worst_rows).
         behind = self.max_depth + 1 if self._inflight is not None else 0
-        plan = batch_requests(requests, self, behind)
+        plan = batch_requests(requests, self.limits, self.sizer, behind)
         self.blocks.reserve([(r.slot, min(r.worst_rows(), r.prefix_len + behind + r.node_limit + 1), r.id)
                              for r in requests])
         self.state.block_table[: plan.bucket].copy_(self._pinned(self.blocks.table[: plan.bucket]), non_blocking=True)

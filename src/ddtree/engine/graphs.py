@@ -14,7 +14,6 @@ next replay of any graph, since all graphs share one memory pool.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -37,22 +36,6 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device, dtype: torch.d
     if cuda_graphs and not capturable:
         raise ValueError(f"cuda_graphs needs a bf16 model on a CUDA device, got {dtype} on {device}")
     return bool(cuda_graphs)
-
-
-MIN_KEY_BOUND = 1024  # contexts shorter than this share one graph per shape
-
-
-def graph_key_limit(key_limit: int | None, capacity: int) -> int | None:
-    """The drafter key bound a graphed round uses: the next power of two >= key_limit, at least
-    MIN_KEY_BOUND and at most the capacity, so that a growing context needs a new graph only when
-    its length doubles, and short ones none at all (each new graph is an eager round and a capture
-    on the request path; reading up to 1024 keys costs the drafter little more than reading 64)."""
-    if key_limit is None:
-        return None
-    bound = MIN_KEY_BOUND
-    while bound < key_limit:
-        bound *= 2
-    return min(bound, capacity)
 
 
 class RoundGraphs:
@@ -81,9 +64,6 @@ class RoundGraphs:
     def run(self, plan: RoundPlan, timer: StageTimer) -> torch.Tensor:
         """One round for `plan`; returns int64 [bucket, result_width] (run_round's result). Eager
         rounds mark every stage on `timer`; replays mark one stage, "round"."""
-        if plan.key_limit is not None:
-            capacity = self.state.drafter.keys[0].shape[1]
-            plan = dataclasses.replace(plan, key_limit=graph_key_limit(plan.key_limit, capacity))
         entry = self._graphs.get(plan)
         if entry is None:
             if plan not in self._seen or len(self._graphs) >= self.max_graphs:

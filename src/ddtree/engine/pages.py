@@ -1,4 +1,4 @@
-"""KV pages: a reference-counted free list, and the per-request block tables built from it.
+"""KV pages: a free list, and the per-request block tables built from it.
 
 Host-side bookkeeping only (plain Python and one CPU tensor); the device copy of the block table
 is refreshed from `BlockManager.table` before each round.
@@ -21,50 +21,35 @@ def pages_for(rows: int, page_size: int) -> int:
 
 
 class PageAllocator:
-    """A free list of page ids 0 .. num_pages - 1 with a reference count per page.
-
-    A page goes back to the free list when its count drops to zero, so a page shared by several
-    requests (a common prefix) is freed by the last one.
-    """
+    """A free list of page ids 0 .. num_pages - 1 (a page belongs to one request at a time)."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free = deque(range(num_pages))
-        self._refs = [0] * num_pages
+        self._taken = [False] * num_pages
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self, count: int) -> list[int]:
-        """`count` fresh pages (reference count 1); raises KVCacheFull, taking none, if short."""
+        """`count` free pages; raises KVCacheFull, taking none, if short."""
         if count > len(self._free):
             raise KVCacheFull(f"asked for {count} KV pages, {len(self._free)} of {self.num_pages} free")
         pages = [self._free.popleft() for _ in range(count)]
         for p in pages:
-            self._refs[p] = 1
+            self._taken[p] = True
         return pages
 
-    def retain(self, pages: list[int]) -> None:
-        """One more holder for each of `pages` (all currently allocated)."""
-        for p in pages:
-            if self._refs[p] < 1:
-                raise ValueError(f"page {p} is free: it cannot be shared")
-            self._refs[p] += 1
-
     def release(self, pages: list[int]) -> None:
-        """Drop one holder of each page; pages nobody holds go back to the free list."""
+        """Give `pages` back to the free list."""
         for p in pages:
-            if self._refs[p] < 1:
+            if not self._taken[p]:
                 raise ValueError(f"page {p} released more often than it was taken")
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
-                self._free.append(p)
-
-    def ref_count(self, page: int) -> int:
-        return self._refs[page]
+            self._taken[p] = False
+            self._free.append(p)
 
 
 class BlockManager:

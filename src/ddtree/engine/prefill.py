@@ -5,32 +5,24 @@ over the part already in the cache; `chunk` bounds the rows per request per call
 prompt is spread over several forwards. Only each prompt's last row goes through the lm_head. The
 hidden states of the drafter's target layers are appended to its context for every prompt token,
 and the target's choice after the last row is the first generated token (the first bonus).
-
-Two forms of attention (PREFILL_FORMS): "expanded", the default, expands the cached latents with
-kv_b_proj and runs causal SDPA (models/paged_prefill.py); "absorbed" runs the verify path (the
-tree kernel with a causal bitmask), kept as the reference the tests compare against.
+Attention is MLA's prefill form: the cached latents expanded with kv_b_proj, causal SDPA
+(models/paged.py's PrefillMeta).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..models.paged import ForwardMeta
 from ..models.paged import PrefillMeta
 from .batch import BatchState
-from .round import RoundContext, causal_visibility
+from .round import RoundContext
 from .sampling import choose_tokens
-
-PREFILL_FORMS = ("expanded", "absorbed")
 
 
 def prefill(ctx: RoundContext, state: BatchState, slots: list[int], prompts: list[list[int]], chunk: int,
-            *, any_sampled: bool, any_filtered: bool, form: str = "expanded") -> torch.Tensor:
+            *, any_sampled: bool, any_filtered: bool) -> torch.Tensor:
     """Fill the cache of `slots` with `prompts` (token ids, each >= 1 long) and choose each first
-    token; returns int64 [len(slots)] on the device (also stored as the slots' bonus).
-    form: one of PREFILL_FORMS (module docstring)."""
-    if form not in PREFILL_FORMS:
-        raise ValueError(f"form must be one of {PREFILL_FORMS}, got {form!r}")
+    token; returns int64 [len(slots)] on the device (also stored as the slots' bonus)."""
     device = state.bonus.device
     lengths = [len(p) for p in prompts]
     last_logits: list[torch.Tensor | None] = [None] * len(slots)
@@ -43,7 +35,8 @@ def prefill(ctx: RoundContext, state: BatchState, slots: list[int], prompts: lis
             ids[j, : counts[j]] = torch.tensor(prompts[i][start : start + counts[j]])
         ids = ids.to(device)
         part_slots = torch.tensor([slots[i] for i in part], device=device)
-        meta = _chunk_meta(ctx, state.block_table[part_slots], start, counts, rows, form)
+        meta = PrefillMeta.build(state.block_table[part_slots], [start] * len(counts), counts, rows,
+                                 page_size=ctx.page_size, scratch_page=ctx.scratch_page)
         num_rows = meta.num_rows
         layers = ctx.feature_layers if ctx.drafter is not None else ()
         logits, hidden = ctx.target.forward_paged(ids, meta, ctx.caches, layers, logit_rows=(num_rows - 1).long())
@@ -60,18 +53,3 @@ def prefill(ctx: RoundContext, state: BatchState, slots: list[int], prompts: lis
     state.prefix_lens[slot_ids] = positions[:, 0].int()
     state.bonus[slot_ids] = first
     return first
-
-
-def _chunk_meta(ctx: RoundContext, block_table: torch.Tensor, start: int, counts: list[int], rows: int, form: str):
-    """The metadata of one chunk: every request at prefix `start`, counts[j] of `rows` rows valid."""
-    if form == "expanded":
-        return PrefillMeta.build(block_table, [start] * len(counts), counts, rows,
-                                 page_size=ctx.page_size, scratch_page=ctx.scratch_page)
-    device = block_table.device
-    batch = len(counts)
-    num_rows = torch.tensor(counts, dtype=torch.int32, device=device)
-    prefix = torch.full((batch,), start, dtype=torch.int32, device=device)
-    positions = start + torch.arange(rows, device=device).expand(batch, rows)
-    visibility = causal_visibility(rows, device).expand(batch, -1, -1)
-    return ForwardMeta.build(block_table, prefix, num_rows, positions, visibility,
-                             page_size=ctx.page_size, scratch_page=ctx.scratch_page)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.paged import ForwardMeta
-from ..tree import accept_paths, build_trees, pack_visibility, topk_logprobs
+from ..tree import accept_paths, build_trees, topk_logprobs
 from .batch import BatchState
 from .commit import commit_slots, move_entries
 from .sampling import choose_tokens
@@ -195,8 +195,3 @@ def _flush(ctx, state, plan):
 def _pack(accept_len, committed, touched, *info):
     parts = [accept_len[:, None], committed] + ([touched] if touched is not None else []) + list(info)
     return torch.cat(parts, 1)
-
-
-def causal_visibility(rows: int, device) -> torch.Tensor:
-    """int64 [1, rows, ceil(rows / 64)]: row n sees rows 0 .. n."""
-    return pack_visibility(torch.ones(rows, rows, dtype=torch.bool, device=device).tril())[None]

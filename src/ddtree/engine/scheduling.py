@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .batch import PENDING_ROWS
 from .request import Request
 from .round import RoundPlan
@@ -22,27 +24,55 @@ def generation_params(params: list[SamplingParams]) -> tuple[bool, bool]:
     return bool(sampled), any(p.top_k > 0 or p.top_p < 1 for p in sampled)
 
 
-def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPlan:
+@dataclass(frozen=True)
+class PlanLimits:
+    """What a round's plan depends on besides its requests; the engine makes it once.
+    drafter_capacity: keys a slot's drafter context holds (0 without a drafter); graphed: rounds
+    replay CUDA graphs (engine/graphs.py), so the drafter's key bound is rounded for them."""
+
+    max_batch: int
+    max_depth: int
+    vocab_size: int
+    moe: bool
+    drafter_capacity: int = 0
+    graphed: bool = False
+
+
+MIN_GRAPH_KEYS = 1024  # graphed rounds over contexts shorter than this share one graph per shape
+
+
+def key_bound(longest: int, limits: PlanLimits) -> int:
+    """The bound on a round's drafter keys for a longest context + block of `longest` keys: rounded
+    up to 64 keys (eager), or, for a graphed round, to the next power of two of at least
+    MIN_GRAPH_KEYS, so that a growing context needs a new graph only when its length doubles and
+    short ones none at all (each new graph is an eager round and a capture on the request path);
+    never past the drafter's capacity."""
+    if not limits.graphed:
+        return min(limits.drafter_capacity, -(-longest // 64) * 64)
+    bound = MIN_GRAPH_KEYS
+    while bound < longest:
+        bound *= 2
+    return min(bound, limits.drafter_capacity)
+
+
+def batch_requests(requests: list[Request], limits: PlanLimits, sizer, behind: int = 0) -> RoundPlan:
     """The plan of one round over `requests` (each in its slot); behind: tokens a round still in
     flight may have committed beyond the host's prefix lengths. "auto" requests take the size
-    engine.sizer chooses (at least what the batch's other requests need)."""
-    bucket = bucket_for(max(r.slot for r in requests) + 1, engine.max_batch)
+    `sizer` chooses (at least what the batch's other requests need)."""
+    bucket = bucket_for(max(r.slot for r in requests) + 1, limits.max_batch)
     auto = [r for r in requests if r.auto]
     fixed = [r for r in requests if not r.auto]
     budget = max((r.node_limit for r in fixed), default=0)
     if auto:
         expected = sum(r.stats.mean_acceptance_length or 1.0 for r in fixed)
-        budget = engine.sizer.choose(bucket, auto, expected, budget)
+        budget = sizer.choose(bucket, auto, expected, budget)
     paths = bool(auto) and budget > 0  # what auto requests accepted teaches the sizer
     trees = [r.budget for r in fixed if r.mode == "ddtree"] + ([budget] if paths else [])
-    k = min(max(trees), engine.target.cfg.vocab_size) if trees else 1
+    k = min(max(trees), limits.vocab_size) if trees else 1
     sampled, filtered = generation_params([r.params for r in requests])
     key_limit = None
-    if budget > 0:  # the drafter runs: read keys up to the longest context + its block, page-rounded
-        block = engine.max_depth + 1
-        longest = max(r.prefix_len for r in requests) + behind + block
-        capacity = engine.state.drafter.keys[0].shape[1]
-        key_limit = min(capacity, -(-longest // 64) * 64)
+    if budget > 0:  # the drafter runs: read keys up to the longest context + its block
+        key_limit = key_bound(max(r.prefix_len for r in requests) + behind + limits.max_depth + 1, limits)
     # "auto" requests keep the drafter's context through plain steps too (set aside, appended a
     # batch of rows at a time), so that a tree can follow any step.
     features = budget > 0 or bool(auto)
@@ -53,7 +83,7 @@ def batch_requests(requests: list[Request], engine, behind: int = 0) -> RoundPla
     for r in requests:  # the host's count is an upper bound: a slot out of tokens sets nothing aside
         r.pending_rows = 0 if flush else r.pending_rows + (budget == 0 and features)
     return RoundPlan(bucket=bucket, budget=budget, k=k if budget else 0, any_sampled=sampled, any_filtered=filtered,
-                     key_limit=key_limit, features=features, experts=engine.moe_layers > 0, paths=paths,
+                     key_limit=key_limit, features=features, experts=limits.moe, paths=paths,
                      flush=flush)
 
 

@@ -14,7 +14,7 @@ What is known is kept fresh by exploring, at a bounded cost:
 - on trees, every `explore_every`-th round takes the next larger size, the only way to learn
   what it would add;
 - plain steps whose real cost at this bucket was never seen (the table measures stand-ins, and
-  its plain step was once 1.6x the real one): a burst of `PLAIN_BURST` every `plain_every` tree
+  was once far off: docs/notes/auto_budget.md): a burst of `PLAIN_BURST` every `plain_every` tree
   rounds while the table rates them at least half as good as the best (8x rarer once seen);
 - on plain steps, a probe (the best tree) after `wait` plain steps; each probe doubles the wait
   up to `max_wait`, a tree chosen on its merits resets it. A drafter that keeps failing costs

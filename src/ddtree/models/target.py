@@ -4,7 +4,7 @@
 kv_b_proj. `forward_paged` runs over the paged latent cache in one of two forms, chosen by its
 metadata: with a ForwardMeta the verify / decode form (kv_b_proj absorbed into the query and the
 output, models/paged.py), with a PrefillMeta the prefill of a prompt chunk (the latents expanded
-like `forward` does, causal SDPA over the request's pages, models/paged_prefill.py).
+like `forward` does, causal SDPA over the request's pages, models/paged.py).
 
 Every layer with a kernel beside its PyTorch reference (the norms, MLA's paged forward, the
 router, the MoE) holds the model's KernelPolicy (ops/policy.py), chosen when the model is built

@@ -26,8 +26,7 @@ from .launch import DTYPES, dot_flags, launch_flags, matmul_tile, multiprocessor
 
 BLOCK_M = 16
 MAX_ROWS = BLOCK_M  # rows per call: one tl.dot tile; larger batches go to cuBLAS, whose tiles fill the GPU
-# From an H200 sweep at Moonlight and Kimi K2 decode shapes (block_n 16-64, block_k 128-512, 3 or 5
-# stages, 2 or 4 warps): 512-deep K steps, 3 stages and 2 warps were fastest or close in most.
+# Tiles from a sweep at decode shapes (dev/decode_sweep_skinny.py, benchmarks/results/decode_sweeps/)
 BLOCK_K = 512
 NUM_WARPS = 2
 NUM_STAGES = 3

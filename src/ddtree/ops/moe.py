@@ -2,10 +2,10 @@
 expert's weights read once per block of its rows, only for the experts the tokens chose.
 
     align_by_expert      (token, choice) pairs grouped by expert, padded to blocks of BLOCK_M
-    _gate_up_kernel      h[p] = silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]) per pair p = (t, choice), e = ids[p];
+    gate_up_kernel      h[p] = silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]) per pair p = (t, choice), e = ids[p];
                          shared expert s of token t: row P + s * T + t, its own weights
-    _down_kernel         y[p] = weights[p] * (h[p] @ Wd[e]), float32; shared rows with weight 1
-    _sum_choices_kernel  out[t] = y[t, 0] + ... + y[t, k-1] + y[P + t] + ... + y[P + (S-1) * T + t],
+    down_kernel         y[p] = weights[p] * (h[p] @ Wd[e]), float32; shared rows with weight 1
+    sum_choices_kernel  out[t] = y[t, 0] + ... + y[t, k-1] + y[P + t] + ... + y[P + (S-1) * T + t],
                          in that order (no atomics)
 
 Up to `direct_max_tokens` tokens (a decode step: KernelPolicy.moe_direct_max_tokens) the launch
@@ -31,15 +31,13 @@ import torch.nn.functional as F
 import triton
 
 from .launch import DTYPES, dot_flags, launch_flags, require_kernel_device
-from .moe_kernels import _down_kernel, _gate_up_kernel, _sum_choices_kernel
+from .moe_kernels import down_kernel, gate_up_kernel, sum_choices_kernel
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
-# Tiles measured on the H200 (benchmarks/moe_paths.py, results/moe_paths-nvidia-h200.md), six
-# shapes from 1 to 128 tokens at Moonlight's and Kimi K2's widths. 128 output columns x 64-deep K
-# steps was fastest, or within 2% of it, wherever the gate_up launch has at least ~one program per
-# SM; below that (a decode token: Moonlight 6 experts x 1408 / 128 = 66 programs) 64 x 128 was up to
-# 18% faster (tiles_for). BLOCK_M follows the rows each expert gets (block_m_for): 16, tl.dot's
-# minimum, while a block would be mostly padding.
+# Tiles from a sweep (benchmarks/moe_paths.py, results/moe_paths-nvidia-h200.md): the wide tile
+# wherever the gate_up launch has about a program per SM, the narrow one below (tiles_for).
+# BLOCK_M follows the rows each expert gets (block_m_for): 16, tl.dot's minimum, while a block would
+# be mostly padding.
 BLOCK_M = 16
 BLOCK_N = 128
 BLOCK_K = 64
@@ -208,7 +206,7 @@ def fused_moe(
     if tokens > direct_max_tokens:
         blocks = align_by_expert(ids, experts, block_m, out=(workspace.sorted_pairs, workspace.block_expert), pdl=pdl)
     _launch(x, w_gate_up, w_down, weights, ids, blocks, workspace, shared, num_shared, block_m, block_n, block_k, pdl)
-    _sum_choices_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
+    sum_choices_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
         workspace.y, out, hidden, tokens * top_k, tokens, TOP_K=top_k, SHARED=num_shared,
         BLOCK=SUM_BLOCK, num_warps=NUM_WARPS, **launch_flags(x.device, pdl))
     return out
@@ -226,13 +224,13 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (w_gate_up,) * 3
     flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    _gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
+    gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, w_gate_up, ws.sorted_pairs, block_expert, ws.h, gate, up,
         num_pairs, experts, tokens, top_k, hidden, inter, routed_blocks, token_blocks,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws.h.stride(0), gate.stride(0),
         **tiles, **flags,
     )
-    _down_kernel[(programs, triton.cdiv(hidden, block_n))](
+    down_kernel[(programs, triton.cdiv(hidden, block_n))](
         ws.h, w_down, weights, ws.sorted_pairs, block_expert, ws.y, down,
         num_pairs, experts, tokens, inter, hidden, routed_blocks, token_blocks,
         ws.h.stride(0), w_down.stride(0), w_down.stride(1), ws.y.stride(0), down.stride(0),

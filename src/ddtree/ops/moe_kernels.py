@@ -60,7 +60,7 @@ def _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.con
 
 
 @triton.jit
-def _gate_up_kernel(
+def gate_up_kernel(
     x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, h_ptr, shared_gate_ptr, shared_up_ptr,
     num_pairs, num_experts, num_tokens, top_k, hidden, inter, routed_blocks, token_blocks,
     stride_xt, stride_we, stride_wk, stride_hp, stride_shared,
@@ -95,7 +95,7 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
+def down_kernel(
     h_ptr, w_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, shared_down_ptr,
     num_pairs, num_experts, num_tokens, inter, hidden, routed_blocks, token_blocks,
     stride_hp, stride_we, stride_wk, stride_yp, stride_shared,
@@ -130,7 +130,7 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_choices_kernel(y_ptr, out_ptr, hidden, num_pairs, num_tokens,
+def sum_choices_kernel(y_ptr, out_ptr, hidden, num_pairs, num_tokens,
                         TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = y[t, 0] + ... + y[t, k-1] (+ the S shared rows of t), float32 in that order (the
     same bits in every run and graph replay), rounded to out's dtype."""

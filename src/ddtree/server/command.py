@@ -13,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..arguments import add_pair_arguments, budget, positive, serving_batch
-from ..cli import cache_line, load_engine
+from ..arguments import add_pair_arguments, budget, cache_line, load_engine, positive, serving_batch
 from ..cost_cache import load_cached_costs, save_cached_costs
 from .auth import ENV_VAR, api_keys
 from .listening import listen, urls
@@ -97,8 +96,7 @@ def _metadata(engine, dtype) -> dict:
 def leave_a_core_to_the_server(device) -> None:
     """On the CPU, torch's intra-op threads take one core less than the process may use, unless
     OMP_NUM_THREADS says otherwise: the event loop and the scheduler thread need a core of their
-    own, and sharing every core with the model's threads made one streamed request on a 2-core
-    machine run at about 0.7x the speed of `ddtree generate`."""
+    own (measured: docs/notes/server.md)."""
     import os
 
     import torch

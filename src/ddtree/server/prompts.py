@@ -5,7 +5,6 @@ tokenizer shared across threads can fail with "Already borrowed")."""
 from __future__ import annotations
 
 from ..engine.pages import pages_for
-from ..engine.request import node_limit_for
 from ..engine.sampling import SamplingParams
 from .errors import APIError
 from .jobs import Job
@@ -35,12 +34,6 @@ def encode(engine, job: Job) -> list[int]:
     return ids
 
 
-def node_limit(engine, mode: str, budget: int | str) -> int:
-    """Verify rows beyond the root a round may use (what admission reserves): see Engine.add_request."""
-    auto_nodes = engine.sizer.largest if engine.sizer is not None else None
-    return node_limit_for(mode, budget, engine.max_budget, engine.max_depth, auto_nodes)
-
-
 def sampling_params(engine, job: Job, prompt_len: int) -> SamplingParams:
     """SamplingParams with max_new_tokens checked against max_model_len and the KV cache.
     A job without max_tokens gets what is left of the context (capped by what the cache holds)."""
@@ -49,9 +42,8 @@ def sampling_params(engine, job: Job, prompt_len: int) -> SamplingParams:
         raise APIError(400, f"the prompt has {prompt_len} tokens; the context is {context} tokens "
                        "(max_model_len), which leaves no room for a completion", param=job.prompt_param,
                        code="context_length_exceeded")
-    blocks = engine.blocks
-    cache_rows = min(blocks.num_pages, blocks.table.shape[1]) * engine.page_size
-    room = cache_rows - prompt_len - node_limit(engine, job.mode, job.budget)
+    cache_rows = engine.request_capacity
+    room = cache_rows - prompt_len - engine.node_limit(job.mode, job.budget)
     max_new = job.max_tokens
     if max_new is None:
         max_new = min(context - prompt_len, room)
@@ -63,7 +55,7 @@ def sampling_params(engine, job: Job, prompt_len: int) -> SamplingParams:
                        f"of {context} tokens (max_model_len)", param=job.limit_param,
                        code="context_length_exceeded")
     elif max_new > room:
-        need = pages_for(prompt_len + max_new + node_limit(engine, job.mode, job.budget), engine.page_size)
+        need = pages_for(prompt_len + max_new + engine.node_limit(job.mode, job.budget), engine.page_size)
         raise APIError(400, f"prompt ({prompt_len} tokens) + {job.limit_param} ({max_new}) needs {need} KV pages; "
                        f"the cache holds {cache_rows // engine.page_size} per request",
                        param=job.limit_param, code="context_length_exceeded")

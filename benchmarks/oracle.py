@@ -1,4 +1,4 @@
-"""A drafter whose proposals are replaced by a known continuation (tests and benchmarks).
+"""A drafter whose proposals are replaced by a known continuation (benchmarks and the engine tests).
 
 The wrapped drafter still runs, so its pass costs what it costs; then, for every slot whose
 continuation is known, the first `depth` drafted positions put all their mass on the known

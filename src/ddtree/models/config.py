@@ -1,7 +1,10 @@
 """Target model configuration, read straight from a Hugging Face config.json.
 
 Covers DeepseekV3ForCausalLM and its relatives (Kimi K2, Moonlight, DeepSeek-V2-Lite style MoE):
-MLA attention with optional q LoRA, YaRN rope, and a routed + shared expert MoE.
+MLA attention with optional q LoRA, YaRN rope, and a routed + shared expert MoE; and the text model
+inside a multimodal wrapper (Kimi K2.5 / K2.6: `KimiK25ForConditionalGeneration`, whose
+config.json nests the text model's under `text_config` and whose text weights carry the prefix
+TEXT_PREFIX). Routed experts may be packed INT4 (models/quant.py).
 """
 
 from __future__ import annotations
@@ -10,7 +13,28 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .quant import Int4Experts, expert_quantization
+
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
+WRAPPERS = ("KimiK25ForConditionalGeneration",)  # a text model nested in a multimodal one
+TEXT_PREFIX = "language_model."  # the wrapped text model's weight names start with it
+
+
+def text_config(raw: dict) -> tuple[dict, str]:
+    """(the text model's config dict, the prefix of its weight names) from a config.json dict: the
+    dict itself and "", or for a multimodal wrapper its `text_config` (with the wrapper's
+    quantization_config when the text part has none) and TEXT_PREFIX."""
+    archs = raw.get("architectures") or []
+    if not set(archs) & set(WRAPPERS) and "text_config" not in raw:
+        return raw, ""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json of {archs} has no text_config to read the language model from")
+    text = dict(text)
+    if "quantization_config" not in text and raw.get("quantization_config"):
+        text["quantization_config"] = raw["quantization_config"]
+    text.setdefault("architectures", ["DeepseekV3ForCausalLM"])
+    return text, TEXT_PREFIX
 
 
 @dataclass(frozen=True)
@@ -47,6 +71,8 @@ class TargetConfig:
     rope_interleave: bool
     rope_scaling: dict | None  # {"type": "yarn", "factor", "original_max_position_embeddings", ...}
     max_position_embeddings: int
+    # storage
+    int4_experts: Int4Experts | None = None  # the routed experts packed INT4 (None: 16-bit)
 
     @property
     def qk_head_dim(self) -> int:
@@ -57,15 +83,10 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TargetConfig":
-        """Build from a config.json dict; refuses quantized checkpoints and unknown architectures."""
-        quant = raw.get("quantization_config")
-        if quant:
-            fmt = quant.get("quant_method") or quant.get("format") or "unknown"
-            detail = quant.get("fmt") or quant.get("weight_block_size") or quant.get("config_groups", "")
-            raise NotImplementedError(
-                f"quantized checkpoints are not supported yet: quantization_config.quant_method={fmt!r} ({detail}); "
-                "dequantize to bf16 first"
-            )
+        """Build from a config.json dict (a multimodal wrapper's: its text part); refuses unknown
+        architectures and quantization other than INT4 routed experts (models/quant.py)."""
+        raw, _ = text_config(raw)
+        int4 = expert_quantization(raw)
         archs = raw.get("architectures") or []
         if archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
             raise ValueError(f"unsupported architecture {archs}; supported: {SUPPORTED_ARCHITECTURES}")
@@ -76,6 +97,12 @@ class TargetConfig:
             scaling = dict(scaling)
             scaling.setdefault("type", scaling.get("rope_type"))
         n_routed = raw.get("n_routed_experts") or 0
+        if int4 is not None:
+            widths = {"hidden_size": raw["hidden_size"], "moe_intermediate_size": raw.get("moe_intermediate_size") or 0}
+            bad = {k: v for k, v in widths.items() if v % int4.group_size}
+            if bad or not n_routed:
+                raise ValueError(f"INT4 routed experts in groups of {int4.group_size} need experts whose widths it "
+                                 f"divides; got {bad or 'no routed experts'}")
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -105,6 +132,7 @@ class TargetConfig:
             rope_interleave=raw.get("rope_interleave", True),
             rope_scaling=scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            int4_experts=int4,
         )
 
     @classmethod

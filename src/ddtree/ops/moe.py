@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from .int4 import PackedInt4, dequantize_int4
 from .launch import DTYPES, dot_flags, launch_flags, require_kernel_device
 from .moe_kernels import down_kernel, gate_up_kernel, sum_choices_kernel
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
@@ -103,6 +104,28 @@ class SharedExperts:
         return width // inter
 
 
+def expert_shape(w_gate_up: torch.Tensor | PackedInt4) -> tuple[int, int, int]:
+    """(E, hidden, inter) of the routed experts, 16-bit [E, hidden, 2 * inter] or INT4 [E, 2 * inter, hidden]."""
+    if isinstance(w_gate_up, PackedInt4):
+        return w_gate_up.packed.shape[0], w_gate_up.in_features, w_gate_up.out_features // 2
+    return w_gate_up.shape[0], w_gate_up.shape[1], w_gate_up.shape[2] // 2
+
+
+def _check_int4(x, w_gate_up: PackedInt4, w_down, weights, ids) -> tuple[int, int]:
+    """INT4 experts' checks; returns (E, inter)."""
+    if not isinstance(w_down, PackedInt4):
+        raise TypeError("w_gate_up and w_down must both be INT4 (PackedInt4) or both tensors")
+    if w_gate_up.group_size != w_down.group_size:
+        raise ValueError(f"w_gate_up and w_down group sizes differ: {w_gate_up.group_size} and {w_down.group_size}")
+    experts, hidden, inter = expert_shape(w_gate_up)
+    if hidden != x.shape[1] or w_gate_up.out_features % 2:
+        raise ValueError(f"w_gate_up must hold [E, 2 * inter, hidden={x.shape[1]}] INT4 weights, got packed "
+                         f"{list(w_gate_up.packed.shape)}")
+    w_gate_up.check("w_gate_up", (experts,), 2 * inter, hidden, x.device)
+    w_down.check("w_down", (experts,), hidden, inter, x.device)
+    return experts, inter
+
+
 def _check(x, w_gate_up, w_down, weights, ids, shared: SharedExperts | None) -> int:
     """Raises on a bad input; returns the number of shared experts."""
     if x.dim() != 2:
@@ -112,16 +135,21 @@ def _check(x, w_gate_up, w_down, weights, ids, shared: SharedExperts | None) -> 
     if x.stride(-1) != 1:
         raise ValueError(f"x must be contiguous in its last dimension, got strides {x.stride()}")
     tokens, hidden = x.shape
-    if w_gate_up.dim() != 3 or w_gate_up.shape[1] != hidden or w_gate_up.shape[2] % 2:
-        raise ValueError(f"w_gate_up must be [E, hidden={hidden}, 2 * inter], got {list(w_gate_up.shape)}")
-    experts, inter = w_gate_up.shape[0], w_gate_up.shape[2] // 2
-    if tuple(w_down.shape) != (experts, inter, hidden):
-        raise ValueError(f"w_down must be [E, inter, hidden] = {[experts, inter, hidden]} to match "
-                         f"w_gate_up {list(w_gate_up.shape)} and x, got {list(w_down.shape)}")
+    checks = [("weights", weights, torch.float32, ids.shape), ("ids", ids, torch.int64, None)]
+    if isinstance(w_gate_up, PackedInt4):
+        experts, inter = _check_int4(x, w_gate_up, w_down, weights, ids)
+    else:
+        if isinstance(w_down, PackedInt4):
+            raise TypeError("w_gate_up and w_down must both be INT4 (PackedInt4) or both tensors")
+        if w_gate_up.dim() != 3 or w_gate_up.shape[1] != hidden or w_gate_up.shape[2] % 2:
+            raise ValueError(f"w_gate_up must be [E, hidden={hidden}, 2 * inter], got {list(w_gate_up.shape)}")
+        experts, inter = w_gate_up.shape[0], w_gate_up.shape[2] // 2
+        if tuple(w_down.shape) != (experts, inter, hidden):
+            raise ValueError(f"w_down must be [E, inter, hidden] = {[experts, inter, hidden]} to match "
+                             f"w_gate_up {list(w_gate_up.shape)} and x, got {list(w_down.shape)}")
+        checks += [("w_gate_up", w_gate_up, x.dtype, None), ("w_down", w_down, x.dtype, None)]
     if ids.dim() != 2 or ids.shape[0] != tokens:
         raise ValueError(f"ids must be [T={tokens}, k], got {list(ids.shape)}")
-    checks = [("w_gate_up", w_gate_up, x.dtype, None), ("w_down", w_down, x.dtype, None),
-              ("weights", weights, torch.float32, ids.shape), ("ids", ids, torch.int64, None)]
     num_shared = 0
     if shared is not None:
         num_shared = shared.count(hidden, inter)
@@ -159,8 +187,9 @@ def fused_moe(
 
     x:          [T, hidden], bf16 / fp16 / fp32, contiguous in its last dimension.
     w_gate_up:  x.dtype [E, hidden, 2 * inter], contiguous: per expert [gate | up], transposed
-                (MoE.w_gate_up).
-    w_down:     x.dtype [E, inter, hidden], contiguous (MoE.w_down).
+                (MoE.w_gate_up); or INT4 (ops/int4.PackedInt4) [E, 2 * inter, hidden]: gate rows,
+                then up rows, as compressed-tensors packs them (then w_down too).
+    w_down:     x.dtype [E, inter, hidden], contiguous (MoE.w_down); or INT4 [E, hidden, inter].
     weights:    float32 [T, k], contiguous: the router's weight of each choice.
     ids:        int64 [T, k], contiguous: the chosen experts, each in [0, E) (not checked: that
                 would read them back; a pair outside is dropped and its out row left undefined).
@@ -176,7 +205,8 @@ def fused_moe(
     summed in float32, then cast once.
     """
     num_shared = _check(x, w_gate_up, w_down, weights, ids, shared)
-    (tokens, hidden), (experts, inter, _), top_k = x.shape, w_down.shape, ids.shape[1]
+    (tokens, hidden), top_k = x.shape, ids.shape[1]
+    experts, _, inter = expert_shape(w_gate_up)
     if block_m is None:
         block_m = block_m_for(ids.numel(), experts)
     wide_n, wide_k = tiles_for(ids.numel() + num_shared * tokens, inter)
@@ -215,36 +245,45 @@ def fused_moe(
 def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws: Workspace, shared,
             num_shared, block_m, block_n, block_k, pdl) -> None:
     """The two GEMM kernels, into ws.y; blocks None: direct mode, one routed program per pair, experts from ids."""
-    (tokens, hidden), (experts, inter, _) = x.shape, w_down.shape
+    tokens, hidden = x.shape
+    experts, _, inter = expert_shape(w_gate_up)
     top_k, num_pairs = weights.shape[1], ids.numel()
     routed_blocks = num_pairs if blocks is None else blocks.block_expert.numel()
     block_expert = ids if blocks is None else blocks.block_expert
     token_blocks = triton.cdiv(tokens, block_m)
     programs = routed_blocks + num_shared * token_blocks  # shared programs follow the routed blocks
-    gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (w_gate_up,) * 3
-    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, **launch_flags(x.device, pdl))
+    int4 = isinstance(w_gate_up, PackedInt4)
+    # per weight: (the routed weight, its scale, stride per expert, per row, and the scale's two)
+    up_w, down_w = ((w.packed, w.scale, *w.packed.stride()[:2], *w.scale.stride()[:2]) if int4
+                    else (w, w, *w.stride()[:2], 0, 0) for w in (w_gate_up, w_down))
+    gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (up_w[0],) * 3
+    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
+                 **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
-        x, w_gate_up, ws.sorted_pairs, block_expert, ws.h, gate, up,
+        x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
         num_pairs, experts, tokens, top_k, hidden, inter, routed_blocks, token_blocks,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), ws.h.stride(0), gate.stride(0),
+        x.stride(0), up_w[2], up_w[3], ws.h.stride(0), gate.stride(0), up_w[4], up_w[5],
         **tiles, **flags,
     )
     down_kernel[(programs, triton.cdiv(hidden, block_n))](
-        ws.h, w_down, weights, ws.sorted_pairs, block_expert, ws.y, down,
+        ws.h, down_w[0], weights, ws.sorted_pairs, block_expert, ws.y, down, down_w[1],
         num_pairs, experts, tokens, inter, hidden, routed_blocks, token_blocks,
-        ws.h.stride(0), w_down.stride(0), w_down.stride(1), ws.y.stride(0), down.stride(0),
+        ws.h.stride(0), down_w[2], down_w[3], ws.y.stride(0), down.stride(0), down_w[4], down_w[5],
         **tiles, **flags,
     )
 
 
-def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
+def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor | PackedInt4, w_down: torch.Tensor | PackedInt4,
+                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The routed experts' sum through two grouped GEMMs: fused_moe's reference (without shared
     experts), and the path for many rows and for autograd. Tensors as fused_moe's (x [T, hidden];
     any device torch._grouped_mm runs on). Pairs are sorted by expert (no per-token or per-expert
     Python loop, no host sync: expert offsets stay on the device); the k choices are summed in
-    float32 in choice order, deterministic unlike an atomic index_add_."""
+    float32 in choice order, deterministic unlike an atomic index_add_. INT4 experts: the experts
+    the tokens chose are dequantized first (int4.dequantize_int4), which reads the ids back."""
+    if isinstance(w_gate_up, PackedInt4):
+        w_gate_up, w_down, ids = _dequantized_experts(x.dtype, w_gate_up, w_down, ids)
     k = ids.shape[1]
     flat = ids.flatten()
     order = flat.argsort(stable=True)
@@ -257,3 +296,13 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
     per_choice = torch.empty_like(routed)
     per_choice[order] = routed
     return (per_choice.view(-1, k, routed.shape[-1]).float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+def _dequantized_experts(dtype: torch.dtype, w_gate_up: PackedInt4, w_down: PackedInt4, ids: torch.Tensor):
+    """(w_gate_up [U, hidden, 2 * inter], w_down [U, inter, hidden] in dtype, ids renumbered) for the U
+    experts in ids, in grouped_moe's layout."""
+    used, local = ids.unique(return_inverse=True)
+    pick = lambda w: PackedInt4(w.packed[used], w.scale[used], w.group_size)  # noqa: E731
+    gate_up = dequantize_int4(pick(w_gate_up), dtype).transpose(1, 2).contiguous()
+    down = dequantize_int4(pick(w_down), dtype).transpose(1, 2).contiguous()
+    return gate_up, down, local.view_as(ids)

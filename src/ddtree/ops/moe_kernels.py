@@ -6,6 +6,11 @@ their programs follow the routed blocks in the same launch (block j past the rou
 expert j // token_blocks, tokens (j % token_blocks) * BLOCK_M + 0 .. BLOCK_M - 1), and their rows
 of h and y follow the routed pairs' (row P + s * T + token). They read the shared MLP's nn.Linear
 weights in place, [out, in] with `in` contiguous, where the routed experts' are [E, in, out].
+
+W4: the routed experts' weights are INT4 in compressed-tensors' layout instead (ops/int4.py):
+packed int32 [E, out, in / 8] and a scale [E, out, in / GROUP] per weight. A tile is unpacked and
+dequantized in registers (q * scale in float32, rounded to the activations' dtype as
+int4.dequantize_int4 rounds) and multiplied like a 16-bit one: the same sums, in the same order.
 """
 
 from __future__ import annotations
@@ -37,6 +42,56 @@ def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
 
 
 @triton.jit
+def _int4_tile(packed_ptr, scale_ptr, offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP: tl.constexpr, DTYPE):
+    """W[k, n] for input columns k [BLOCK_K] and output rows offs_n [BLOCK_N] of one expert's INT4
+    weight (pointers at its [out, in / 8] words and [out, in / GROUP] scales), in DTYPE."""
+    mask = k_ok[:, None] & col_ok[None, :]
+    words = tl.load(packed_ptr + offs_n[None, :].to(tl.int64) * stride_pn + (k // 8)[:, None], mask=mask, other=0)
+    q = ((words >> ((k % 8) * 4)[:, None]) & 0xF) - 8
+    scale = tl.load(scale_ptr + offs_n[None, :].to(tl.int64) * stride_sn + (k // GROUP)[:, None], mask=mask, other=0.0)
+    return (q.to(tl.float32) * scale.to(tl.float32)).to(DTYPE)  # rounded to nearest, as torch rounds
+
+
+@triton.jit
+def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dtype = x_ptrs.dtype.element_ty
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < hidden
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        gate = _int4_tile(packed_ptr, scale_ptr, offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP, dtype)
+        acc_gate = dot(a, gate, acc_gate, DOT_F32, PRECISION)
+        up = _int4_tile(packed_ptr, scale_ptr, inter + offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP, dtype)
+        acc_up = dot(a, up, acc_up, DOT_F32, PRECISION)
+        x_ptrs += BLOCK_K
+    return acc_gate * tl.sigmoid(acc_gate) * acc_up
+
+
+@triton.jit
+def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth, stride_pn, stride_sn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """launch.matmul_tile with an INT4 expert weight [out, depth]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dtype = a_ptrs.dtype.element_ty
+    for k0 in range(0, depth, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < depth
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP, dtype)
+        acc = dot(a, w, acc, DOT_F32, PRECISION)
+        a_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts,
                   BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
     """(expert, pairs [BLOCK_M]) of routed program pid_m; expert -1: nothing to do. DIRECT: one
@@ -61,13 +116,16 @@ def _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.con
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, h_ptr, shared_gate_ptr, shared_up_ptr,
+    x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, h_ptr, shared_gate_ptr, shared_up_ptr, scale_ptr,
     num_pairs, num_experts, num_tokens, top_k, hidden, inter, routed_blocks, token_blocks,
-    stride_xt, stride_we, stride_wk, stride_hp, stride_shared,
+    stride_xt, stride_we, stride_wk, stride_hp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32,
 ):
-    """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t)."""
+    """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
+    W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
+    row), scale_ptr its scales (stride_se, stride_sn)."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,9 +136,16 @@ def gate_up_kernel(
         if expert >= 0:  # NO_EXPERT (-1): past the used blocks
             row_ok = pair < num_pairs  # padding slots hold num_pairs
             token = (pair // top_k).to(tl.int64)
-            gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
-            h = _swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], gate_ptrs, gate_ptrs + inter,
-                             BLOCK_K * stride_wk, row_ok, col_ok, hidden, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+            x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
+            if W4:
+                e = expert.to(tl.int64)
+                h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
+                                    col_ok, hidden, stride_wk, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, DOT_F32,
+                                    PRECISION)
+            else:
+                gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
+                h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
             h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     else:
@@ -96,13 +161,15 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    h_ptr, w_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, shared_down_ptr,
+    h_ptr, w_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, shared_down_ptr, scale_ptr,
     num_pairs, num_experts, num_tokens, inter, hidden, routed_blocks, token_blocks,
-    stride_hp, stride_we, stride_wk, stride_yp, stride_shared,
+    stride_hp, stride_we, stride_wk, stride_yp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32,
 ):
-    """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared."""
+    """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared.
+    W4: w_ptr is the packed int32 [E, hidden, inter / 8], scale_ptr its scales (as gate_up_kernel)."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,9 +180,15 @@ def down_kernel(
         if expert >= 0:
             row_ok = pair < num_pairs
             row = tl.where(row_ok, pair, 0).to(tl.int64)
-            w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
-            acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K,
-                               BLOCK_K * stride_wk, row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+            h_ptrs = h_ptr + row[:, None] * stride_hp + offs_k[None, :]
+            if W4:
+                e = expert.to(tl.int64)
+                acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,
+                                      inter, stride_wk, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, DOT_F32, PRECISION)
+            else:
+                w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
+                acc = matmul_tile(h_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, row_ok, col_ok, inter,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
             weight = tl.load(weights_ptr + row, mask=row_ok, other=0.0)
             tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
                      mask=row_ok[:, None] & col_ok[None, :])
@@ -125,7 +198,7 @@ def down_kernel(
         # The shared down weight is [hidden, S * inter]: expert s's columns s * inter .. + inter - 1.
         w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
         acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
-                           row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+                          row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
         tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 

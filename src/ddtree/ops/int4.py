@@ -1,0 +1,90 @@
+"""Weight-only INT4 in compressed-tensors' pack-quantized layout (models/quant.py): the packed
+weights, and the plain PyTorch that packs and unpacks them (the reference the W4A16 kernels of
+moe_kernels.py are tested against).
+
+A Linear of `out` x `in` is packed [out, in / 8] int32: element (o, i) is the signed 4-bit q in
+[-8, 7], stored as q + 8 in bits 4 (i % 8) .. 4 (i % 8) + 3 of word (o, i // 8); its value is
+q * scale[o, i // group_size]. Dequantized weights are rounded once, from float32, to the
+activations' dtype: the kernels round the same way before their GEMMs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VALUES_PER_WORD = 8
+
+
+@dataclass
+class PackedInt4:
+    """The INT4 weights of a stack of Linears (E experts): packed int32 [..., out, in / 8] and
+    scale [..., out, in / group_size] (a 16-bit or 32-bit float), both contiguous."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[-1] * VALUES_PER_WORD
+
+    def check(self, name: str, lead: tuple[int, ...], out: int, in_: int, device: torch.device) -> None:
+        """Raise, naming `name`, unless this holds [*lead, out, in] weights on `device`."""
+        g = self.group_size
+        want_packed = (*lead, out, in_ // VALUES_PER_WORD)
+        want_scale = (*lead, out, in_ // g) if g and in_ % g == 0 else None
+        if in_ % VALUES_PER_WORD or want_scale is None:
+            raise ValueError(f"{name}: {in_} input columns must be a multiple of 8 and of group_size={g}")
+        if self.packed.dtype != torch.int32 or tuple(self.packed.shape) != want_packed:
+            raise ValueError(f"{name}.packed must be int32 {list(want_packed)}, got {self.packed.dtype} "
+                             f"{list(self.packed.shape)}")
+        if not self.scale.is_floating_point() or tuple(self.scale.shape) != want_scale:
+            raise ValueError(f"{name}.scale must be a float {list(want_scale)}, got {self.scale.dtype} "
+                             f"{list(self.scale.shape)}")
+        for part in ("packed", "scale"):
+            t = getattr(self, part)
+            if not t.is_contiguous() or t.device != device:
+                raise ValueError(f"{name}.{part} must be contiguous on {device}, got strides {t.stride()} on {t.device}")
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., out, in / 8] -> int8 [..., out, in], each in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nibbles = (packed[..., None] >> shifts) & 0xF  # [..., out, in / 8, 8]: element i at nibble i % 8
+    return (nibbles.flatten(-2) - 8).to(torch.int8)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int8 [..., out, in] in [-8, 7] (in a multiple of 8) -> int32 [..., out, in / 8]."""
+    if values.dtype != torch.int8 or values.shape[-1] % VALUES_PER_WORD:
+        raise ValueError(f"values must be int8 [..., in] with in a multiple of 8, got {values.dtype} {list(values.shape)}")
+    if values.numel() and (values.min() < -8 or values.max() > 7):
+        raise ValueError("INT4 values must lie in [-8, 7]")
+    nibbles = (values.to(torch.int32) + 8).unflatten(-1, (-1, VALUES_PER_WORD))
+    shifts = torch.arange(0, 32, 4, device=values.device, dtype=torch.int32)
+    return (nibbles << shifts).sum(-1, dtype=torch.int32)  # disjoint bits: the sum is the OR
+
+
+def dequantize_int4(weights: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
+    """[..., out, in] in `dtype`: q * scale, in float32, rounded once."""
+    q = unpack_int4(weights.packed).float()
+    scale = weights.scale.float().repeat_interleave(weights.group_size, dim=-1)
+    return (q * scale).to(dtype)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.bfloat16) -> PackedInt4:
+    """Symmetric group-wise INT4 of a float weight [..., out, in]: per group, scale = max |w| / 7
+    (in scale_dtype), q = round(w / scale) clamped to [-8, 7]; for random benchmark weights and
+    tests (checkpoints come packed)."""
+    if weight.shape[-1] % group_size or group_size % VALUES_PER_WORD:
+        raise ValueError(f"group_size {group_size} must be a multiple of 8 dividing {weight.shape[-1]} columns")
+    groups = weight.float().unflatten(-1, (-1, group_size))
+    scale = (groups.abs().amax(-1) / 7).clamp_min(1e-8).to(scale_dtype)
+    q = (groups / scale.float()[..., None]).round().clamp(-8, 7).to(torch.int8).flatten(-2)
+    return PackedInt4(pack_int4(q).contiguous(), scale.contiguous(), group_size)

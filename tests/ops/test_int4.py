@@ -1,0 +1,103 @@
+"""INT4 experts (ops/int4.py, the W4 path of ops/moe.py): the packing is compressed-tensors' own,
+and the fused MoE with INT4 experts gives the bits of the same MoE with the dequantized weights,
+which the float64 loop and the grouped reference check; bad INT4 inputs are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.ops.int4 import PackedInt4, dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from ddtree.ops.moe import Workspace, fused_moe, grouped_moe
+
+from .test_moe import POISON_INT, TOL, Case, assert_close, make_inputs, make_shared, moe_reference
+
+ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+
+
+def test_packing_is_compressed_tensors_own():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randint(-8, 8, (2, 5, 48), generator=gen, dtype=torch.int8)
+    packed = pack_int4(values)
+    assert packed.dtype == torch.int32 and packed.shape == (2, 5, 6)
+    for e in range(2):
+        assert torch.equal(packed[e], ct_helpers.pack_to_int32(values[e], 4))
+        assert torch.equal(unpack_int4(packed)[e], ct_helpers.unpack_from_int32(packed[e], 4, values[e].shape))
+    assert torch.equal(unpack_int4(packed), values)
+    with pytest.raises(ValueError, match=r"INT4 values must lie in \[-8, 7\]"):
+        pack_int4(torch.full((1, 8), 9, dtype=torch.int8))
+    with pytest.raises(ValueError, match="a multiple of 8"):
+        pack_int4(torch.zeros(1, 12, dtype=torch.int8))
+
+
+def test_quantize_and_dequantize():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(3, 16, 64, generator=gen)
+    w = quantize_int4(weight, 32)
+    assert w.packed.shape == (3, 16, 8) and w.scale.shape == (3, 16, 2) and w.scale.dtype == torch.bfloat16
+    back = dequantize_int4(w, torch.float32)
+    step = w.scale.float().repeat_interleave(32, -1)
+    assert ((back - weight).abs() <= step / 2 + 1e-6).all()  # within half a step of each weight
+    # float32 products rounded once: the 16-bit dequantization is the float32 one, rounded
+    assert torch.equal(dequantize_int4(w, torch.bfloat16), back.to(torch.bfloat16))
+
+
+def int4_experts(case: Case, dtype: torch.dtype, device: str, group: int = 8):
+    """(x, INT4 w_gate_up, INT4 w_down, weights, ids) from test_moe's inputs (their bf16 / fp32
+    experts quantized, the unused experts' NaN weights set to 0 first)."""
+    x, w_gate_up, w_down, weights, ids = make_inputs(case, dtype, device)
+    gate_up = quantize_int4(w_gate_up.float().nan_to_num(0.0).transpose(1, 2).cpu(), group)  # [E, 2 * inter, hidden]
+    down = quantize_int4(w_down.float().nan_to_num(0.0).transpose(1, 2).cpu(), group)  # [E, hidden, inter]
+    on = lambda w: PackedInt4(w.packed.to(device), w.scale.to(device), group)  # noqa: E731
+    return x, on(gate_up), on(down), weights, ids
+
+
+def dense(w: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
+    """The same experts in fused_moe's 16-bit layout ([E, in, out])."""
+    return dequantize_int4(w, dtype).transpose(1, 2).contiguous()
+
+
+CASES = [Case(1, 3, 7, 48, 32, seed=11), Case(5, 2, 4, 64, 24, seed=12), Case(24, 4, 6, 32, 40, route="all", seed=13)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c.tokens}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_shared", [0, 1])
+def test_int4_experts_equal_their_dequantized_twin(case, dtype, num_shared, kernel_device):
+    x, gate_up, down, weights, ids = int4_experts(case, dtype, kernel_device)
+    shared = make_shared(case, num_shared, dtype, kernel_device) if num_shared else None
+    ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
+                         num_shared=num_shared)
+    ws.sorted_pairs.fill_(POISON_INT)
+    for buf in (ws.h, ws.y):
+        buf.fill_(float("nan"))
+    got = fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws)
+    twin = fused_moe(x, dense(gate_up, dtype), dense(down, dtype), weights, ids, shared=shared)
+    if dtype == torch.bfloat16 and kernel_device != "cuda":
+        # Triton 3.6's interpreter truncates float32 -> bf16 (rtne asked or not); a GPU rounds as torch does
+        assert_close(got, twin, TOL[dtype])
+        return
+    assert torch.equal(got, twin), "the INT4 tiles must be the dequantized weights, multiplied the same way"
+    cpu = lambda t: t.cpu()  # noqa: E731
+    want = moe_reference(cpu(x), cpu(dense(gate_up, dtype)), cpu(dense(down, dtype)), cpu(weights), cpu(ids),
+                         None if shared is None else type(shared)(*(cpu(t) for t in (shared.gate, shared.up, shared.down))))
+    assert_close(got, want, TOL[dtype])
+    if not num_shared:
+        grouped = grouped_moe(x.cpu(), PackedInt4(cpu(gate_up.packed), cpu(gate_up.scale), 8),
+                              PackedInt4(cpu(down.packed), cpu(down.scale), 8), cpu(weights), cpu(ids))
+        assert torch.equal(grouped, grouped_moe(x.cpu(), cpu(dense(gate_up, dtype)), cpu(dense(down, dtype)),
+                                                cpu(weights), cpu(ids)))
+        assert_close(grouped, want, TOL[dtype])
+
+
+def test_bad_int4_experts_are_refused(kernel_device):
+    case = Case(2, 2, 4, 32, 16, seed=3)
+    x, gate_up, down, weights, ids = int4_experts(case, torch.float32, kernel_device)
+    with pytest.raises(TypeError, match="both be INT4"):
+        fused_moe(x, gate_up, dense(down, torch.float32), weights, ids)
+    with pytest.raises(ValueError, match="group sizes differ: 8 and 16"):
+        fused_moe(x, gate_up, quantize_int4(torch.zeros(4, 32, 16), 16), weights, ids)
+    with pytest.raises(ValueError, match=r"w_down.scale must be a float \[4, 32, 2\]"):
+        fused_moe(x, gate_up, PackedInt4(down.packed, down.scale[..., :1].contiguous(), 8), weights, ids)
+    with pytest.raises(ValueError, match="hidden=40"):
+        fused_moe(torch.zeros(2, 40, device=kernel_device), gate_up, down, weights, ids)

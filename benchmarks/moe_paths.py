@@ -26,7 +26,7 @@ from common import environment, markdown_table, measure_ceilings, time_graph_us,
 
 from ddtree.models import TargetConfig  # noqa: E402
 from ddtree.ops.moe import Workspace, fused_moe  # noqa: E402
-from ddtree.models.target import MoE
+from ddtree.models.layers import MoE
 from ddtree.ops import KernelPolicy  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ddtree.models.target import MoE
+from ddtree.models.layers import MoE
 
 FORMULAS = {
     "draft": "bytes = e*(drafter layers + final norm + lm_head V*H) + e*B*S*H (embedding rows) "

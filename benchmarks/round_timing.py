@@ -21,7 +21,7 @@ import time
 import torch
 
 from ddtree.engine.timing import StageTimer
-from ddtree.models.target import MoE
+from ddtree.models.layers import MoE
 
 
 def spread(samples: list[float]) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.models import Target
-from ddtree.models.target import MoE
+from ddtree.models.layers import MoE
 
 
 class RouterBalance:

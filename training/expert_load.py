@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ddtree.models import load_target
-from ddtree.models.target import MoE
+from ddtree.models.layers import MoE
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.models.target import MoE
+from ddtree.models.layers import MoE
 
 
 def dense_moe_forward(self: MoE, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:

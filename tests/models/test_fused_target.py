@@ -152,7 +152,7 @@ def test_adjacent_weights_in_separate_storages_are_not_joined():
 def test_mlp_gate_and_up_read_the_input_with_one_gemm():
     """The loader's target joins every MLP's gate and up weights (dense layers, shared experts):
     same state_dict; under no_grad one joint view, equal to two GEMMs; split again by .to()."""
-    from ddtree.models.target import MoE
+    from ddtree.models.layers import MoE
 
     model = random_target(tiny(20, True), dtype=torch.float32, std=0.1)
     mlps = [layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp for layer in model.layers]

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.models import TargetConfig
-from ddtree.models import target as moe_module
-from ddtree.models.target import MoE
+from ddtree.models import layers as moe_module
+from ddtree.models.layers import MoE
 from ddtree.ops import KERNELS, REFERENCE, KernelPolicy
 from ddtree.ops.moe import (BLOCK_K, BLOCK_N, NARROW_TILES, SharedExperts, Workspace, block_m_for, fused_moe, grouped_moe,
                             tiles_for)

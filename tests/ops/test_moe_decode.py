@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.models import target as target_module
+from ddtree.models import layers as target_module
 from ddtree.ops import KERNELS
 from ddtree.ops.moe import SharedExperts, Workspace, fused_moe
 

@@ -13,7 +13,7 @@ import torch
 from ddtree.models import TargetConfig
 from ddtree.models import layers as moe_module
 from ddtree.models.layers import Router
-from ddtree.models.target import MoE
+from ddtree.models.layers import MoE
 from ddtree.ops import KERNELS, REFERENCE, KernelPolicy
 from ddtree.ops.router import fused_route, route_reference, top_indices
 

@@ -72,7 +72,7 @@ def test_anchors_distinct_sorted_in_range():
 
 
 def test_dense_training_moe_equals_the_grouped_moe():
-    from ddtree.models.target import MoE
+    from ddtree.models.layers import MoE
     from training.moe_dense import dense_moe_forward
 
     target = random_target(TargetConfig.from_dict(tiny_config().to_dict()), dtype=torch.float32, seed=4, std=0.3)

@@ -15,14 +15,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..ops.policy import KernelPolicy
-from .config import TargetConfig
+from . import expert_weights
+from .config import TargetConfig, text_config
 from .drafter import Drafter, DrafterConfig, check_pair
-from .layers import inv_freq_and_factor
-from .target import MoE, Target
+from .layers import MoE, inv_freq_and_factor
+from .target import Target
 
-_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_LOADABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INT_TENSORS = {"weight_packed": torch.int32, "weight_shape": None}  # kept as stored (any int for the shape)
 
 
 def shard_files(path: Path) -> list[Path]:
@@ -41,19 +42,23 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def checkpoint_tensors(path: Path, dtype: torch.dtype, skip=lambda name: False):
-    """Yield (name, tensor in `dtype`) over every shard, one tensor at a time (no full copy of the
-    model in host memory); names for which `skip` is true are never read; quantized storage is
-    refused."""
+    """Yield (name, tensor) over every shard, one tensor at a time (no full copy of the model in
+    host memory): float tensors in `dtype`, INT4 words and shapes (models/quant.py) as stored;
+    names for which `skip` is true are never read; other storage is refused by name."""
     for shard in shard_files(path):
         with safe_open(str(shard), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if skip(name):
                     continue
                 tensor = f.get_tensor(name)
-                if tensor.dtype not in _LOADABLE_DTYPES:
-                    raise NotImplementedError(
-                        f"checkpoint tensor {name} is {tensor.dtype}: quantized weights are not supported yet"
-                    )
+                kind = name.rsplit(".", 1)[-1]
+                if kind in _INT_TENSORS and not tensor.is_floating_point():
+                    yield name, tensor
+                    continue
+                if tensor.dtype not in _FLOAT_DTYPES:
+                    raise NotImplementedError(f"checkpoint tensor {name} is {tensor.dtype}: only 16- and 32-bit float "
+                                              "weights and INT4 routed experts (compressed-tensors' pack-quantized) "
+                                              "are supported")
                 yield name, tensor.to(dtype)
 
 
@@ -75,25 +80,21 @@ def _empty_target(cfg: TargetConfig, dtype: torch.dtype, device, policy: KernelP
 def _place(
     model: Target, params: dict[str, torch.nn.Parameter], cfg: TargetConfig, name: str, tensor: torch.Tensor, loaded: set[str]
 ) -> None:
-    """Copy one checkpoint tensor into the model, checking its shape; raises naming the tensor."""
+    """Copy one checkpoint tensor (its name without the text prefix) into the model, checking its
+    shape; raises naming the tensor."""
     key = name.removeprefix("model.")
-    expert = _EXPERT.fullmatch(key)
+    expert = expert_weights.EXPERT_TENSOR.fullmatch(key)
     if expert:
-        layer, e, proj = int(expert[1]), int(expert[2]), expert[3]
+        layer = int(expert[1])
         moe = model.layers[layer].mlp
-        if not isinstance(moe, MoE) or e >= cfg.n_routed_experts:
-            raise ValueError(f"unexpected checkpoint tensor {name} (layer {layer} has no routed expert {e})")
-        inter = cfg.moe_intermediate_size
-        target, rows = {
-            "gate_proj": (moe.w_gate_up.data[e, :, :inter], (inter, cfg.hidden_size)),
-            "up_proj": (moe.w_gate_up.data[e, :, inter:], (inter, cfg.hidden_size)),
-            "down_proj": (moe.w_down.data[e], (cfg.hidden_size, inter)),
-        }[proj]
-        if tuple(tensor.shape) != rows:
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {rows}")
-        target.copy_(tensor.T)
+        if not isinstance(moe, MoE):
+            raise ValueError(f"unexpected checkpoint tensor {name} (layer {layer} has no routed experts)")
+        expert_weights.place(moe, cfg, name, expert, tensor)
         loaded.add(name)
         return
+    if key.endswith((".weight_packed", ".weight_scale", ".weight_shape")):
+        raise NotImplementedError(f"checkpoint tensor {name}: only the routed experts may be INT4 "
+                                  "(compressed-tensors' pack-quantized); this Linear must be 16-bit")
     assign(params, key, name, tensor)
     loaded.add(key)
 
@@ -127,6 +128,10 @@ def init_random(model: torch.nn.Module, *, seed: int = 0, std: float = 0.02) -> 
             p.fill_(1.0)
         elif name.endswith("e_score_correction_bias"):
             p.zero_()
+        elif name.endswith("_packed"):  # INT4 experts: random words, so every 4-bit value is uniform in [-8, 7]
+            p.copy_(torch.randint(-2**31, 2**31, p.shape, generator=gen, device=p.device, dtype=torch.int64).to(torch.int32))
+        elif name.endswith("_scale"):  # ... times a scale that gives them the other weights' std (4.6: [-8, 7]'s)
+            p.uniform_(0.5 * std / 4.6, 1.5 * std / 4.6, generator=gen)
         else:
             p.normal_(0.0, std, generator=gen)
     return model
@@ -165,9 +170,12 @@ def load_drafter(
     return model.eval()
 
 
-def _skipped(name: str, cfg: TargetConfig) -> bool:
-    """Tensors the target does not use: multi-token-prediction layers past num_hidden_layers and
-    cached rotary tables."""
+def _skipped(name: str, cfg: TargetConfig, prefix: str) -> bool:
+    """Tensors the target does not use: anything outside the text model (a multimodal wrapper's
+    vision tower and projector), multi-token-prediction layers past num_hidden_layers and cached
+    rotary tables."""
+    if not name.startswith(prefix):
+        return True
     layer = _LAYER.search(name)
     return (layer is not None and int(layer[1]) >= cfg.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
 
@@ -178,24 +186,23 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device
 
     Tensors are read one at a time (no full copy of the model in host memory), checked against the
     expected shape and copied into place; anything missing or unexpected is an error naming it.
+    A multimodal wrapper's text model (Kimi K2.5 / K2.6) is read from its text_config and prefixed
+    weights, the rest never read; INT4 routed experts are kept packed (models/quant.py).
     policy: every layer's kernel policy (ops/policy.py).
     """
     path = Path(path)
     cfg = TargetConfig.from_pretrained(path)
+    _, prefix = text_config(json.loads((path / "config.json").read_text()))
     model = _empty_target(cfg, dtype, device, policy)
     params = dict(model.named_parameters())
-    expected = {n for n in params if not n.endswith((".w_gate_up", ".w_down"))}
+    experts = (".w_gate_up", ".w_down", ".w_gate_up_packed", ".w_gate_up_scale", ".w_down_packed", ".w_down_scale")
+    expected = {n for n in params if not n.endswith(experts)}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
-    expert_tensors = {
-        f"model.layers.{i}.mlp.experts.{e}.{p}.weight"
-        for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
-        for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj", "down_proj")
-    }
     loaded: set[str] = set()
-    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: _skipped(name, cfg)):
-        _place(model, params, cfg, name, tensor, loaded)
-    missing = sorted((expected | expert_tensors) - loaded)
+    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: _skipped(name, cfg, prefix)):
+        _place(model, params, cfg, name.removeprefix(prefix), tensor, loaded)
+    missing = sorted((expected | expert_weights.expected_names(cfg)) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
     if cfg.tie_word_embeddings:
@@ -211,23 +218,16 @@ def target_tensors(model: Target) -> dict[str, torch.Tensor]:
     cfg = model.cfg
     out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        if name.endswith((".w_gate_up", ".w_down")):
+        if ".mlp.w_" in name:  # the stacked routed experts: per expert below
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             raise ValueError("the config ties lm_head to embed_tokens but the model's lm_head is a separate tensor")
         out[name if name == "lm_head.weight" else f"model.{name}"] = param.detach()
     if not cfg.tie_word_embeddings and "lm_head.weight" not in out:  # a tied module that the config calls untied
         out["lm_head.weight"] = model.lm_head.weight.detach()
-    inter = cfg.moe_intermediate_size
     for i, layer in enumerate(model.layers):
-        if not isinstance(layer.mlp, MoE):
-            continue
-        for e in range(cfg.n_routed_experts):
-            prefix = f"model.layers.{i}.mlp.experts.{e}."
-            w_gate_up, w_down = layer.mlp.w_gate_up[e].detach(), layer.mlp.w_down[e].detach()
-            out[prefix + "gate_proj.weight"] = w_gate_up[:, :inter].T
-            out[prefix + "up_proj.weight"] = w_gate_up[:, inter:].T
-            out[prefix + "down_proj.weight"] = w_down.T
+        if isinstance(layer.mlp, MoE):
+            out.update(expert_weights.checkpoint_tensors_of(layer.mlp, i, cfg))
     return out
 
 
@@ -243,7 +243,8 @@ def write_shards(tensors: dict[str, torch.Tensor], path: str | Path, dtype: torc
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):
-        t = tensors[name].to("cpu", dtype).contiguous().clone()
+        t = tensors[name]
+        t = t.to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous().clone()
         nbytes = t.numel() * t.element_size()
         if nbytes > max_shard_bytes:
             raise ValueError(f"tensor {name} ({nbytes} bytes) is larger than max_shard_bytes={max_shard_bytes}")

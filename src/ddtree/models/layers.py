@@ -1,8 +1,8 @@
-"""The target's small layers, PyTorch first: two projections in one buffer, rotary embedding with
-DeepSeek's YaRN scaling, RMSNorm, the SwiGLU MLP and the MoE router.
+"""The target's layers besides attention, PyTorch first: two projections in one buffer, rotary
+embedding with DeepSeek's YaRN scaling, RMSNorm, the SwiGLU MLP, the MoE router and the MoE.
 
-RMSNorm and the router hold a KernelPolicy (ops/policy.py): it says whether a forward runs their
-Triton kernel (ops/norm.py, ops/router.py) or the PyTorch reference beside it.
+RMSNorm, the router and the MoE hold a KernelPolicy (ops/policy.py): it says whether a forward runs
+their Triton kernels (ops/norm.py, ops/router.py, ops/moe.py) or the PyTorch reference beside them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gemm import linear as few_row_linear
+from ..ops.int4 import VALUES_PER_WORD, PackedInt4
 from ..ops.launch import DTYPES as KERNEL_DTYPES
+from ..ops.moe import SharedExperts, fused_moe, grouped_moe
+from ..ops.moe_align import MAX_PAIRS
 from ..ops.norm import rms_norm, rms_norm_reference
 from ..ops.policy import KernelPolicy
 from ..ops.router import fused_route, route_reference
@@ -134,7 +137,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-# -- RMSNorm, the SwiGLU MLP, the router --------------------------------------------------------
+# -- RMSNorm, the SwiGLU MLP, the router, the MoE --------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
@@ -223,3 +226,83 @@ class Router(nn.Module):
             if x.is_cuda:
                 return torch.mm(x, w.t(), out_dtype=torch.float32)
         return F.linear(x.float(), w.float())
+
+
+class MoE(nn.Module):
+    """Routed experts plus the shared experts. The routed experts are stored in 16 bits
+    (`w_gate_up` [E, hidden, 2 * inter]: per expert [gate | up], transposed; `w_down` [E, inter,
+    hidden]) or, with cfg.int4_experts, packed INT4 as the checkpoint stores them (`w_gate_up_packed`
+    int32 [E, 2 * inter, hidden / 8] with `w_gate_up_scale` [E, 2 * inter, hidden / group];
+    `w_down_packed` [E, hidden, inter / 8] with `w_down_scale`: ops/int4.py). Two paths, the
+    policy's choice (moe_fused):
+
+    - grouped: ops/moe.grouped_moe, pairs sorted by expert for two grouped GEMMs: the reference,
+      the path for many 16-bit rows (large batches of trees, long prefill chunks) and for autograd.
+    - fused: ops/moe.fused_moe, which reads each touched expert's weights once per block of its
+      rows, and the shared experts' in the same launches; INT4 experts take it for any number of
+      rows on CUDA, in chunks the expert alignment holds.
+    """
+
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Router(cfg, policy)
+        self.int4 = cfg.int4_experts
+        if self.int4 is None:
+            self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))
+            self.w_down = nn.Parameter(torch.empty(e, i, h))
+        else:
+            words, g = VALUES_PER_WORD, self.int4.group_size
+            frozen = lambda *shape, **kw: nn.Parameter(torch.empty(*shape, **kw), requires_grad=False)  # noqa: E731
+            self.w_gate_up_packed = frozen(e, 2 * i, h // words, dtype=torch.int32)
+            self.w_gate_up_scale = frozen(e, 2 * i, h // g)
+            self.w_down_packed = frozen(e, h, i // words, dtype=torch.int32)
+            self.w_down_scale = frozen(e, h, i // g)
+        self.inter = i
+        self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.policy = policy
+
+    def experts(self) -> tuple[torch.Tensor | PackedInt4, torch.Tensor | PackedInt4]:
+        """(w_gate_up, w_down) as ops/moe.py takes them: tensors, or INT4 PackedInt4."""
+        if self.int4 is None:
+            return self.w_gate_up, self.w_down
+        g = self.int4.group_size
+        return (PackedInt4(self.w_gate_up_packed, self.w_gate_up_scale, g),
+                PackedInt4(self.w_down_packed, self.w_down_scale, g))
+
+    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
+        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        if router_ids is not None:
+            router_ids.append(ids)
+        shared = None
+        w_gate_up, w_down = self.experts()
+        # The fused path reads the shared MLP's weights too: autograd on any of them keeps PyTorch.
+        others = list(self.shared_experts.parameters()) if self.shared_experts is not None else []
+        stored = [p for p in self.parameters(recurse=False)]
+        if self.policy.moe_fused(x.shape[0], ids.numel(), x.dtype, x, weights, *stored, *others, int4=self.int4 is not None):
+            shared = self._shared_in_place()
+            chunk = max(1, MAX_PAIRS // max(1, ids.shape[1]))  # tokens the expert alignment sorts at once
+            out = torch.cat([fused_moe(x[t : t + chunk], w_gate_up, w_down, weights[t : t + chunk], ids[t : t + chunk],
+                                       shared=shared, direct_max_tokens=self.policy.moe_direct_max_tokens,
+                                       pdl=self.policy.pdl) for t in range(0, x.shape[0], chunk)])
+        else:
+            out = grouped_moe(x, w_gate_up, w_down, weights, ids)
+        if self.shared_experts is not None and shared is None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+    def _shared_in_place(self) -> SharedExperts | None:
+        """The shared MLP's weights for fused_moe, which adds it inside its own launches; None (the
+        MLP runs on its own) when there is none, or when its width is not a whole number of routed
+        experts or its weights are not plain contiguous tensors of the model's dtype."""
+        mlp = self.shared_experts
+        if mlp is None or mlp.gate_proj.weight.shape[0] % self.inter:
+            return None
+        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        if any(not w.is_contiguous() or w.dtype != self.gate.weight.dtype for w in weights):
+            return None
+        return SharedExperts(*weights)

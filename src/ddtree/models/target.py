@@ -20,10 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gemm import linear as few_row_linear
-from ..ops.moe import SharedExperts, fused_moe, grouped_moe
 from ..ops.policy import KernelPolicy
 from .config import TargetConfig
-from .layers import MLP, RMSNorm, Router, both, inv_freq_and_factor, join, rotary_cos_sin, rotate, softmax_scale
+from .layers import MLP, MoE, RMSNorm, both, inv_freq_and_factor, join, rotary_cos_sin, rotate, softmax_scale
 from .paged import ForwardMeta, PrefillMeta, absorbed_attention, attend, gather_entries, write_entries
 
 
@@ -145,58 +144,6 @@ class MLA(nn.Module):
         out_latent = attend(torch.cat([q_latent, q_rope], -1), cache, meta, self.scale, cfg.kv_lora_rank)  # reference
         out = torch.einsum("bnhc,hvc->bnhv", out_latent.to(x.dtype), w[:, cfg.qk_nope_head_dim :])  # W_UV
         return self.o_proj(out.reshape(b, n, -1))
-
-
-class MoE(nn.Module):
-    """Routed experts plus the shared experts. Two paths, the policy's choice (moe_fused):
-
-    - grouped: ops/moe.grouped_moe, pairs sorted by expert for two grouped GEMMs: the reference,
-      the path for many rows (large batches of trees, long prefill chunks) and for autograd.
-    - fused: ops/moe.fused_moe, which reads each touched expert's weights once per block of its
-      rows, and the shared experts' in the same launches.
-    """
-
-    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
-        super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Router(cfg, policy)
-        self.w_gate_up = nn.Parameter(torch.empty(e, h, 2 * i))  # per expert [gate | up], transposed
-        self.w_down = nn.Parameter(torch.empty(e, i, h))
-        self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        self.policy = policy
-
-    def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
-        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x)
-        if router_ids is not None:
-            router_ids.append(ids)
-        shared = None
-        # The fused path reads the shared MLP's weights too: autograd on any of them keeps PyTorch.
-        others = self.shared_experts.parameters() if self.shared_experts is not None else ()
-        if self.policy.moe_fused(x.shape[0], ids.numel(), x.dtype, x, weights, self.w_gate_up, self.w_down, *others):
-            shared = self._shared_in_place()
-            out = fused_moe(x, self.w_gate_up, self.w_down, weights, ids, shared=shared,
-                            direct_max_tokens=self.policy.moe_direct_max_tokens, pdl=self.policy.pdl)
-        else:
-            out = grouped_moe(x, self.w_gate_up, self.w_down, weights, ids)
-        if self.shared_experts is not None and shared is None:
-            out = out + self.shared_experts(x)
-        return out.view(shape)
-
-    def _shared_in_place(self) -> SharedExperts | None:
-        """The shared MLP's weights for fused_moe, which adds it inside its own launches; None (the
-        MLP runs on its own) when there is none, or when its width is not a whole number of routed
-        experts or its weights are not plain contiguous tensors of the experts' dtype."""
-        mlp = self.shared_experts
-        if mlp is None or mlp.gate_proj.weight.shape[0] % self.w_down.shape[1]:
-            return None
-        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-        if any(not w.is_contiguous() or w.dtype != self.w_down.dtype for w in weights):
-            return None
-        return SharedExperts(*weights)
 
 
 class DecoderLayer(nn.Module):

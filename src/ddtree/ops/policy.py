@@ -64,14 +64,17 @@ class KernelPolicy:
                                "and the kernel has no backward")
         return self.paths == "kernels"
 
-    def moe_fused(self, tokens: int, pairs: int, dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    def moe_fused(self, tokens: int, pairs: int, dtype: torch.dtype, *tensors: torch.Tensor, int4: bool = False) -> bool:
         """Whether a MoE forward of `tokens` rows and `pairs` (token, choice) pairs in `dtype` runs
-        the fused kernels (ops/moe.py) rather than the grouped GEMMs."""
+        the fused kernels (ops/moe.py) rather than the grouped GEMMs. INT4 experts take them at any
+        size ("auto": on CUDA; the layer feeds them in chunks), since their grouped reference
+        dequantizes every chosen expert."""
         from .launch import DTYPES
 
         chosen = self.kernel("MoE", *tensors)
         if self.automatic:
-            return chosen and tokens <= self.moe_fused_max_tokens and pairs <= MAX_PAIRS and dtype in DTYPES
+            fits = int4 or (tokens <= self.moe_fused_max_tokens and pairs <= MAX_PAIRS)
+            return chosen and fits and dtype in DTYPES
         return chosen
 
     def but(self, **changes) -> "KernelPolicy":

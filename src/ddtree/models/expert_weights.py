@@ -1,0 +1,88 @@
+"""The routed experts between a checkpoint and the MoE's stacked storage, both ways.
+
+A checkpoint stores each expert's Linears apart: `model.layers.{i}.mlp.experts.{e}.{proj}.weight`
+([out, in], 16-bit), or for INT4 experts (models/quant.py) `{proj}.weight_packed`,
+`{proj}.weight_scale` and `{proj}.weight_shape`; proj is gate_proj, up_proj or down_proj. The MoE
+stacks them per layer (layers.MoE): 16-bit transposed into w_gate_up / w_down, INT4 as stored, gate
+rows then up rows.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .config import TargetConfig
+from .layers import MoE
+
+EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                           r"(weight|weight_packed|weight_scale|weight_shape)")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def stored_as(cfg: TargetConfig) -> tuple[str, ...]:
+    """The tensors a checkpoint holds per expert Linear."""
+    return ("weight",) if cfg.int4_experts is None else ("weight_packed", "weight_scale", "weight_shape")
+
+
+def expected_names(cfg: TargetConfig) -> set[str]:
+    """Every routed-expert tensor name a checkpoint of `cfg` must hold (`model.` prefix)."""
+    return {f"model.layers.{i}.mlp.experts.{e}.{p}.{kind}"
+            for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
+            for e in range(cfg.n_routed_experts) for p in PROJECTIONS for kind in stored_as(cfg)}
+
+
+def place(moe: MoE, cfg: TargetConfig, name: str, match: re.Match, tensor: torch.Tensor) -> None:
+    """Copy checkpoint tensor `name` (matched by EXPERT_TENSOR) into `moe`; raises naming it."""
+    e, proj, kind = int(match[2]), match[3], match[4]
+    if e >= cfg.n_routed_experts:
+        raise ValueError(f"unexpected checkpoint tensor {name} (the layer has {cfg.n_routed_experts} routed experts)")
+    if kind not in stored_as(cfg):
+        how = "16-bit" if cfg.int4_experts is None else f"INT4 (group {cfg.int4_experts.group_size})"
+        raise ValueError(f"checkpoint tensor {name}: config.json's quantization_config says the routed experts are "
+                         f"{how}, which stores no {kind}")
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    out, in_ = (h, inter) if proj == "down_proj" else (inter, h)
+    if kind == "weight_shape":
+        if tensor.tolist() != [out, in_]:
+            raise ValueError(f"checkpoint tensor {name} says the weight is {tensor.tolist()}, expected {[out, in_]}")
+        return
+    if kind == "weight":
+        _check_shape(name, tensor, (out, in_))
+        target = {"gate_proj": moe.w_gate_up.data[e, :, :inter], "up_proj": moe.w_gate_up.data[e, :, inter:],
+                  "down_proj": moe.w_down.data[e]}[proj]
+        target.copy_(tensor.T)
+        return
+    part = "packed" if kind == "weight_packed" else "scale"
+    if part == "packed" and tensor.dtype != torch.int32:
+        raise ValueError(f"checkpoint tensor {name} is {tensor.dtype}, expected int32 (packed INT4)")
+    _check_shape(name, tensor, (out, in_ // 8 if part == "packed" else in_ // cfg.int4_experts.group_size))
+    stack = getattr(moe, ("w_down_" if proj == "down_proj" else "w_gate_up_") + part).data[e]
+    stack[{"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(0, h)}[proj]].copy_(tensor)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, int]) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+
+
+def checkpoint_tensors_of(moe: MoE, layer: int, cfg: TargetConfig) -> dict[str, torch.Tensor]:
+    """The routed experts of `moe` (layer `layer`) under their checkpoint names: the inverse of place."""
+    out = {}
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    for e in range(cfg.n_routed_experts):
+        prefix = f"model.layers.{layer}.mlp.experts.{e}."
+        if cfg.int4_experts is None:
+            w_gate_up, w_down = moe.w_gate_up[e].detach(), moe.w_down[e].detach()
+            out[prefix + "gate_proj.weight"] = w_gate_up[:, :inter].T
+            out[prefix + "up_proj.weight"] = w_gate_up[:, inter:].T
+            out[prefix + "down_proj.weight"] = w_down.T
+            continue
+        for proj, stack, rows, shape in (("gate_proj", "w_gate_up", slice(0, inter), (inter, h)),
+                                         ("up_proj", "w_gate_up", slice(inter, 2 * inter), (inter, h)),
+                                         ("down_proj", "w_down", slice(0, h), (h, inter))):
+            out[prefix + proj + ".weight_packed"] = getattr(moe, stack + "_packed")[e, rows].detach()
+            out[prefix + proj + ".weight_scale"] = getattr(moe, stack + "_scale")[e, rows].detach()
+            out[prefix + proj + ".weight_shape"] = torch.tensor(shape)
+    return out

@@ -20,7 +20,8 @@ FORMULAS = {
     "topk": "bytes = 4*B*D*V (the float32 draft logits); FLOPs = 0",
     "build": "bytes = B*D*K*(4+8) (top-k log-probs, tokens) + 3*8*B*n + 8*B*N*ceil(N/64) (tree out); FLOPs = 0",
     "verify": "bytes = e*(dense params: every weight but the embedding and the routed experts, lm_head included) "
-              "+ e*3*H*I_moe*(distinct routed experts the batch's rows touched, summed over MoE layers) "
+              "+ (bytes per routed expert: e*3*H*I_moe, or INT4's packed words and scales)*(distinct routed experts "
+              "the batch's rows touched, summed over MoE layers) "
               "+ e*B*N*H (embedding rows) + e*L*B*(P+N)*W (latent cache: prefix read, new rows written); "
               "FLOPs = 2*B*N*(dense params + MoE layers*k*3*H*I_moe) + 2*L*B*N*heads*(P+1)*(W+kv_lora_rank)",
     "accept": "bytes = 4*B*N*V (the float32 verify logits the argmax reads); FLOPs = 0",
@@ -40,7 +41,8 @@ class ModelCounts:
     """Parameter counts the formulas need, read off the built models."""
 
     dense: int  # target params read whole per forward: all but the embedding and the routed experts
-    per_expert: int  # 3 * H * moe_intermediate
+    per_expert: int  # 3 * H * moe_intermediate (weights, for the FLOPs)
+    expert_bytes: float  # bytes one routed expert is stored in (2 * per_expert in bf16; INT4: packed + scales)
     layers: int
     moe_layers: int
     dense_per_moe_layer: int  # one MoE layer's params but its routed experts (attention, router, shared experts)
@@ -53,14 +55,17 @@ class ModelCounts:
         count = lambda params: sum(p.numel() for p in params)  # noqa: E731
         moe_layers = [layer for layer in target.layers if isinstance(layer.mlp, MoE)]
         moes = [layer.mlp for layer in moe_layers]
-        routed = count(p for m in moes for p in (m.w_gate_up, m.w_down))
-        one = count(moe_layers[0].parameters()) - count((moes[0].w_gate_up, moes[0].w_down)) if moes else 0
+        stored = lambda m: list(m.parameters(recurse=False))  # noqa: E731  the routed experts, in whatever storage
+        routed = count(p for m in moes for p in stored(m))
+        one = count(moe_layers[0].parameters()) - count(stored(moes[0])) if moes else 0
         cfg = target.cfg
+        expert_bytes = sum(p.numel() * p.element_size() for p in stored(moes[0])) / cfg.n_routed_experts if moes else 0
         context = count(drafter.fc.parameters()) + count(drafter.hidden_norm.parameters()) + count(
             p for layer in drafter.layers for mod in (layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.k_norm)
             for p in mod.parameters())
         return cls(dense=count(target.parameters()) - target.embed_tokens.weight.numel() - routed,
-                   per_expert=3 * cfg.hidden_size * cfg.moe_intermediate_size, layers=len(target.layers),
+                   per_expert=3 * cfg.hidden_size * cfg.moe_intermediate_size, expert_bytes=expert_bytes,
+                   layers=len(target.layers),
                    moe_layers=len(moes), dense_per_moe_layer=one,
                    draft_weights=count(drafter.layers.parameters()) + count(drafter.norm.parameters()),
                    context_weights=context, element=target.embed_tokens.weight.element_size())
@@ -89,7 +94,7 @@ def stage_floors(cfg, dcfg, counts: ModelCounts, batch: int, budget: int, prefix
     vocab, hidden, layers = cfg.vocab_size, cfg.hidden_size, counts.layers
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     rows = budget + 1
-    weights = e * (counts.dense + touched * counts.per_expert)
+    weights = e * counts.dense + touched * counts.expert_bytes
     verify_bytes = weights + e * batch * rows * hidden + e * layers * batch * (prefix + rows) * width
     verify_flops = 2 * batch * rows * (counts.dense + counts.moe_layers * cfg.num_experts_per_tok * counts.per_expert)
     verify_flops += 2 * layers * batch * rows * cfg.num_attention_heads * (prefix + 1) * (width + cfg.kv_lora_rank)

@@ -36,6 +36,7 @@ from ddtree.engine.pages import pages_for
 from ddtree.engine.round import RoundContext
 from ddtree.models import Drafter, DrafterConfig, Target, TargetConfig, check_pair
 from ddtree.models.checkpoint import init_random, random_target
+from ddtree.models.drafter import reference_layer_ids
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 ALPHA = 3.0  # logit std of a hidden state unrelated to any embedding (engine_parity's --logit-std)
@@ -49,31 +50,36 @@ TINY = dict(  # DeepseekV3-shaped, a few MB: the whole script runs on a CPU in s
     rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=8192)
 
 
-def target_config(name: str, layers: int | None) -> tuple[TargetConfig, int]:
-    """(the config with its first `layers` decoder layers, the published layer count)."""
+def target_config(name: str, layers: int | None) -> tuple[TargetConfig, int, dict]:
+    """(the config with its first `layers` decoder layers, the published layer count, the
+    drafter shape the config file names under "benchmark_drafter": {} when none)."""
     raw = dict(TINY) if name == "tiny" else json.loads((CONFIGS / f"{name}.json").read_text())
+    drafter = raw.pop("benchmark_drafter", {})
     full = raw["num_hidden_layers"]
     if layers:
         raw["num_hidden_layers"] = layers
-    return TargetConfig.from_dict(raw), full
+    return TargetConfig.from_dict(raw), full, drafter
 
 
 def dflash_layer_ids(target_layers: int, count: int = 5) -> list[int]:
-    """DFlash's choice of target layers: `count` spread over 1 .. L - 3 (all layers if L is small)."""
-    start, end = 1, target_layers - 3
-    if end - start + 1 < count:
+    """DFlash's choice of target layers (models.drafter.reference_layer_ids), or every layer of a
+    target too shallow for it (a benchmark's slice of a few layers)."""
+    if target_layers - 3 < count:
         return list(range(min(count, target_layers)))
-    return [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+    return reference_layer_ids(target_layers, count)
 
 
-def drafter_config(cfg: TargetConfig, layers: int = 5, block_size: int = 16) -> DrafterConfig:
+def drafter_config(cfg: TargetConfig, layers: int = 5, block_size: int = 16, heads: int | None = None,
+                   kv_heads: int | None = None) -> DrafterConfig:
+    """A DFlash drafter for `cfg`: head_dim 128 (32 on toy widths), `heads` query heads (default
+    hidden / head_dim) sharing `kv_heads` key / value heads (default min(8, heads))."""
     head_dim = 128 if cfg.hidden_size >= 1024 else 32
-    heads = max(1, cfg.hidden_size // head_dim)
+    heads = heads or max(1, cfg.hidden_size // head_dim)
     return DrafterConfig.from_dict(dict(
         architectures=["DFlashDraftModel"], hidden_size=cfg.hidden_size, intermediate_size=3 * cfg.hidden_size,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=min(8, heads), head_dim=head_dim,
-        rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=cfg.vocab_size,
-        dflash_config={"target_layer_ids": dflash_layer_ids(cfg.num_hidden_layers), "block_size": block_size,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or min(8, heads),
+        head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=cfg.vocab_size,
+        dflash_config={"target_layer_ids": dflash_layer_ids(cfg.num_hidden_layers, layers), "block_size": block_size,
                        "mask_token_id": cfg.vocab_size - 1}))
 
 
@@ -117,8 +123,8 @@ def successor_target(cfg: TargetConfig, dtype, device, mask_token: int, seed: in
 def build_pair(name: str, layers: int | None, device: torch.device, dtype=torch.bfloat16):
     """(target, drafter, perm, info dict); prints how long the build took."""
     start = time.perf_counter()
-    cfg, full = target_config(name, layers)
-    dcfg = drafter_config(cfg)
+    cfg, full, drafter_shape = target_config(name, layers)
+    dcfg = drafter_config(cfg, **drafter_shape)
     target, perm, probe = successor_target(cfg, dtype, device, dcfg.mask_token_id)
     check_pair(cfg, dcfg)
     drafter = random_model(Drafter, dcfg, dtype, device, seed=1)

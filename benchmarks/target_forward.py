@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, measure_ceilings, time_events_us, time_graph_us, write_results  # noqa: E402
 
 from ddtree.models import TargetConfig, random_target  # noqa: E402
+from ddtree.models.layers import MoE  # noqa: E402
 from ddtree.models.paged import ForwardMeta  # noqa: E402
 from ddtree.ops import PATHS, KernelPolicy, apply_policy  # noqa: E402
 from ddtree.tree import pack_visibility  # noqa: E402
@@ -41,8 +42,10 @@ def routed_expert_counts(cfg: TargetConfig) -> tuple[int, int]:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size, moe_layers * cfg.n_routed_experts
 
 
-def floor_us(cfg: TargetConfig, dense: int, batch: int, rows: int, prefix: int, ceilings: dict) -> tuple[float, str]:
-    """dense: parameters read whole per forward (all but the embedding and the routed experts)."""
+def floor_us(cfg: TargetConfig, dense: int, expert_bytes: float, batch: int, rows: int, prefix: int,
+             ceilings: dict) -> tuple[float, str]:
+    """dense: parameters read whole per forward (all but the embedding and the routed experts);
+    expert_bytes: the bytes one routed expert is stored in (bf16, or INT4 words and scales)."""
     per_expert, routed = routed_expert_counts(cfg)
     tokens = batch * rows
     experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -50,7 +53,7 @@ def floor_us(cfg: TargetConfig, dense: int, batch: int, rows: int, prefix: int, 
     layers = cfg.num_hidden_layers
     keys = prefix + rows
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    nbytes = 2 * (dense + touched * per_expert + layers * batch * keys * width)
+    nbytes = 2 * (dense + layers * batch * keys * width) + touched * expert_bytes
     moe_layers = routed // experts if experts else 0
     flops = 2 * tokens * (dense + moe_layers * k * per_expert)
     flops += 2 * tokens * cfg.num_attention_heads * keys * (width + cfg.kv_lora_rank) * layers
@@ -101,8 +104,10 @@ def main() -> None:
     model = random_target(cfg, dtype=torch.bfloat16, device="cuda")
     apply_policy(model, KernelPolicy(args.kernels))
     params = sum(p.numel() for p in model.parameters())
-    per_expert, routed = routed_expert_counts(cfg)
-    dense = params - model.embed_tokens.weight.numel() - per_expert * routed  # the embedding is gathered, not read
+    stored = [p for layer in model.layers if isinstance(layer.mlp, MoE) for p in layer.mlp.parameters(recurse=False)]
+    _, routed = routed_expert_counts(cfg)
+    expert_bytes = sum(p.numel() * p.element_size() for p in stored) / max(1, routed)
+    dense = params - model.embed_tokens.weight.numel() - sum(p.numel() for p in stored)  # the embedding is gathered
     print(f"{args.config}: {cfg.num_hidden_layers} layers, {params / 1e9:.2f} B parameters", ceilings, flush=True)
     results = []
     for batch in args.batches:
@@ -111,7 +116,7 @@ def main() -> None:
             forward = lambda: model.forward_paged(ids, meta, caches)  # noqa: E731
             graph = time_graph_us(forward, launches_per_graph=2, trials=10)
             eager = time_events_us(forward, trials=10, warmup=2)
-            floor, bound = floor_us(cfg, dense, batch, rows, args.prefix, ceilings)
+            floor, bound = floor_us(cfg, dense, expert_bytes, batch, rows, args.prefix, ceilings)
             row = {"B": batch, "N": rows, "prefix": args.prefix, "graph_us": graph, "eager_us": eager,
                    "floor_us": floor, "bound": bound, "graph_x_floor": graph / floor, "eager_over_graph": eager / graph}
             print(row, flush=True)

@@ -178,3 +178,29 @@ def test_context_is_read_in_place_and_appends_reach_chosen_rows():
     torch.testing.assert_close(trimmed, full, rtol=1e-5, atol=1e-5)
     want = dflash_reference(m, feats[0], block[2])
     torch.testing.assert_close(full[2].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_kimi_k25_style_drafter_without_target_layers(tmp_path):
+    """z-lab's DFlash drafters for Kimi K2.5 / K2.6 (block size 8, 8 query heads per key/value head)
+    may leave the target layers to DFlash's reference rule: spread from layer 1 to the fourth from
+    last, one per draft layer ([1, 12, 24, 35, 47, 58] for K2.5's 6 layers on 61)."""
+    from ddtree.models.drafter import reference_layer_ids
+
+    assert reference_layer_ids(61, 6) == [1, 12, 24, 35, 47, 58]
+    assert reference_layer_ids(30, 1) == [15]
+    raw = dict(RAW, num_attention_heads=8, num_key_value_heads=1, head_dim=8, num_hidden_layers=2,
+               dflash_config={"block_size": 8, "mask_token_id": 95})
+    target_dir = tmp_path / "target"
+    save_tiny(target_dir, tiny_config(num_hidden_layers=8))
+    target = load_target(target_dir, dtype=torch.float32)
+    cfg = DrafterConfig.from_dict(raw).for_target(target.cfg)
+    assert cfg.target_layer_ids == (1, 5) and cfg.block_size == 8
+    torch.manual_seed(0)
+    model = Drafter(cfg)
+    (tmp_path / "drafter").mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "drafter" / "model.safetensors")
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps(raw))
+    drafter = load_drafter(tmp_path / "drafter", target)
+    assert drafter.cfg.target_layer_ids == (1, 5) and drafter.fc.weight.shape == (64, 128)
+    for name, p in drafter.state_dict().items():
+        torch.testing.assert_close(p, model.state_dict()[name].float())

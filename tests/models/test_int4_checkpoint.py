@@ -130,3 +130,79 @@ def test_a_missing_scale_and_16_bit_experts_under_an_int4_config(int4_dirs, tmp_
     save_file(tensors, str(sixteen / "model.safetensors"))
     with pytest.raises(ValueError, match="quantization_config says the routed experts are INT4 .group 8., which stores no weight"):
         load_target(sixteen, dtype=torch.float32)
+
+
+def test_generate_with_the_int4_target_equals_its_twin(int4_dirs, tmp_path):
+    """The engine end to end (prefill, rounds, auto and fixed budgets, plain steps) on the INT4
+    Kimi K2.6-layout target: greedy tokens equal its dequantized twin's, and ar's."""
+    from ddtree import Engine
+    from ddtree.models import load_drafter
+
+    from ..engine.pairs import drafter_config, prompts, save_drafter
+
+    save_drafter(tmp_path / "drafter", drafter_config(96, 4))
+    model = load_target(int4_dirs[1][0], dtype=torch.float32)
+    twin = twin_of(model)
+    batch = prompts(3, 96, seed=4)
+    outs = {}
+    for name, target in (("int4", model), ("twin", twin)):
+        engine = Engine(target, load_drafter(tmp_path / "drafter", target), page_size=8, max_batch=4)
+        outs[name] = [[o.token_ids for o in engine.generate(batch, max_new_tokens=12, mode=mode, budget=budget)]
+                      for mode, budget in (("ar", 1), ("ddtree", 6), ("ddtree", "auto"))]
+    assert outs["int4"] == outs["twin"]
+    assert outs["int4"][1] == outs["int4"][0] == outs["int4"][2]  # lossless: ddtree and auto commit ar's tokens
+
+
+def test_random_int4_weights_for_benchmarks():
+    """random_target builds INT4 experts packed as a checkpoint stores them, with the other weights'
+    spread: every 4-bit value about equally often, dequantized std near the requested 0.02."""
+    from ddtree.models import TargetConfig
+
+    raw = dict(tiny_config().to_dict(), quantization_config=int4_quantization_config(8))
+    model = random_target(TargetConfig.from_dict(raw), dtype=torch.float32, std=0.02)
+    moe = model.layers[1].mlp
+    gate_up, down = moe.experts()
+    values = torch.bincount((torch.cat([(gate_up.packed[..., None] >> s) & 0xF for s in range(0, 32, 4)]).flatten()),
+                            minlength=16)
+    assert values.min() > 0.8 * values.float().mean()
+    std = float(dequantize_int4(down, torch.float32).std())
+    assert 0.012 < std < 0.03
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([[1, 2, 3]]))
+    assert torch.isfinite(logits).all()
+
+
+def test_the_kimi_k26_benchmark_config():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from round_setup import drafter_config, target_config
+
+    cfg, full, shape = target_config("kimi-k2.6", 4)
+    assert full == 61 and cfg.num_hidden_layers == 4 and cfg.int4_experts.group_size == 32
+    assert (cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (7168, 384, 8, 2048)
+    drafter = drafter_config(cfg, **shape)
+    assert (drafter.num_hidden_layers, drafter.num_attention_heads, drafter.num_key_value_heads, drafter.block_size) == (6, 64, 8, 8)
+    full_cfg, _, _ = target_config("kimi-k2.6", None)
+    assert drafter_config(full_cfg, **shape).target_layer_ids == (1, 12, 24, 35, 47, 58)  # the published K2.5 drafter's
+
+
+def test_the_round_floor_counts_int4_experts_by_their_bytes():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from round_floors import ModelCounts
+    from round_setup import drafter_config
+
+    from ddtree.models import Drafter, TargetConfig
+
+    raw = dict(tiny_config().to_dict(), quantization_config=int4_quantization_config(8))
+    cfg = TargetConfig.from_dict(raw)
+    target = random_target(cfg, dtype=torch.bfloat16)
+    counts = ModelCounts.of(target, Drafter(drafter_config(cfg)))
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    assert counts.expert_bytes == 3 * h * i / 2 + 3 * h * i / 8 * 2  # 4-bit words, one bf16 scale per 8
+    sixteen = ModelCounts.of(random_target(dataclasses.replace(cfg, int4_experts=None)), Drafter(drafter_config(cfg)))
+    assert sixteen.expert_bytes == 3 * h * i * 2 and sixteen.dense == counts.dense

@@ -141,14 +141,15 @@ def load_drafter(
     path: str | Path, target: Target, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
     policy: KernelPolicy = KernelPolicy()
 ) -> Drafter:
-    """A DFlash drafter for `target` (pair checked first), streamed like load_target.
+    """A DFlash drafter for `target` (pair checked first; target layers by DFlash's rule where its
+    config names none), streamed like load_target.
 
     dtype and device default to the target's: the drafter reads the target's embeddings and
     hidden states and feeds its lm_head, so it must live where the target does. policy: its
     norms' kernel policy (ops/policy.py).
     """
     path = Path(path)
-    cfg = DrafterConfig.from_pretrained(path)
+    cfg = DrafterConfig.from_pretrained(path).for_target(target.cfg)
     check_pair(target.cfg, cfg)
     weight = target.embed_tokens.weight
     dtype = dtype or weight.dtype

@@ -9,6 +9,7 @@ projects the newly committed tokens. Embedding and lm_head are the target's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,16 @@ from torch import nn
 
 from ..ops.policy import KernelPolicy
 from .layers import MLP, RMSNorm
+
+
+def reference_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
+    """DFlash's reference choice of target layers when a drafter's config names none (its
+    build_target_layer_ids): one per draft layer, evenly from layer 1 to layer target_layers - 3
+    (Kimi K2.5 / K2.6, 61 layers, 6 draft layers: [1, 12, 24, 35, 47, 58])."""
+    if draft_layers == 1:
+        return [target_layers // 2]
+    start, end = 1, target_layers - 3
+    return [int(round(start + i * (end - start) / (draft_layers - 1))) for i in range(draft_layers)]
 
 
 @dataclass(frozen=True)
@@ -34,16 +45,22 @@ class DrafterConfig:
     vocab_size: int
     attention_bias: bool
     # dflash_config
-    target_layer_ids: tuple[int, ...]
+    target_layer_ids: tuple[int, ...]  # () when config.json leaves them to DFlash's rule (for_target)
     block_size: int
     mask_token_id: int
+
+    def for_target(self, target_cfg) -> "DrafterConfig":
+        """This config with its target layers settled for `target_cfg`: as given, or by DFlash's
+        reference rule when config.json gives none (reference_layer_ids)."""
+        if self.target_layer_ids:
+            return self
+        ids = reference_layer_ids(target_cfg.num_hidden_layers, self.num_hidden_layers)
+        return dataclasses.replace(self, target_layer_ids=tuple(ids))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DrafterConfig":
         dflash = raw.get("dflash_config") or {}
-        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
-        if layer_ids is None:
-            raise ValueError("drafter config.json lacks dflash_config.target_layer_ids")
+        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids")) or ()
         mask = dflash.get("mask_token_id", raw.get("mask_token_id"))
         if mask is None:
             raise ValueError("drafter config.json lacks dflash_config.mask_token_id")

@@ -12,10 +12,8 @@ from ddtree.ops.moe import Workspace, fused_moe, grouped_moe
 
 from .test_moe import POISON_INT, TOL, Case, assert_close, make_inputs, make_shared, moe_reference
 
-ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
-
-
 def test_packing_is_compressed_tensors_own():
+    ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     gen = torch.Generator().manual_seed(0)
     values = torch.randint(-8, 8, (2, 5, 48), generator=gen, dtype=torch.int8)
     packed = pack_int4(values)

@@ -119,7 +119,7 @@ def test_load_and_pair_checks(tmp_path):
         with pytest.raises(ValueError, match=match):
             load_drafter(drafter_dir, target, dtype=torch.float32)
     (drafter_dir / "config.json").write_text(json.dumps({k: v for k, v in RAW.items() if k != "dflash_config"}))
-    with pytest.raises(ValueError, match="target_layer_ids"):
+    with pytest.raises(ValueError, match="lacks dflash_config.mask_token_id"):
         load_drafter(drafter_dir, target)
 
 

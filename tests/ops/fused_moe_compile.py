@@ -56,16 +56,19 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
 
 def all_reports() -> dict[str, dict]:
     """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
-    alignment); the alignment at 64 tokens x 8 of 384 experts."""
+    alignment, and with INT4 experts in groups of 32); the alignment at 64 tokens x 8 of 384 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
-                 DOT_F32=False, PRECISION="tf32")
+                 DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32)
     index = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32")
     gemm = dict(num_warps=fused_moe.NUM_WARPS, num_stages=fused_moe.NUM_STAGES)
-    gate_up_pointers = dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, shared_gate_ptr=dtype, shared_up_ptr=dtype, **index)
-    down_pointers = dict(h_ptr=dtype, w_ptr=dtype, weights_ptr="*fp32", y_ptr="*fp32", shared_down_ptr=dtype, **index)
+    gate_up_pointers = dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, shared_gate_ptr=dtype, shared_up_ptr=dtype,
+                            scale_ptr=dtype, **index)
+    down_pointers = dict(h_ptr=dtype, w_ptr=dtype, weights_ptr="*fp32", y_ptr="*fp32", shared_down_ptr=dtype,
+                         scale_ptr=dtype, **index)
     direct = dict(tiles, DIRECT=True)
     tiles = dict(tiles, DIRECT=False)
+    int4 = dict(tiles, W4=True)
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
                                 dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
@@ -75,6 +78,9 @@ def all_reports() -> dict[str, dict]:
                                          direct, **gemm),
         "down_direct": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, block_expert_ptr="*i64"),
                                       direct, **gemm),
+        "gate_up_int4": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), int4,
+                                       **gemm),
+        "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
         "sum": compile_report(fused_moe_kernels.sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
                               dict(TOP_K=8, SHARED=1, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
     }

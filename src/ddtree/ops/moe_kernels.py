@@ -53,14 +53,13 @@ def _int4_tile(packed_ptr, scale_ptr, offs_n, k, k_ok, col_ok, stride_pn, stride
 
 
 @triton.jit
-def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn,
+def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                     DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n."""
+    """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    dtype = x_ptrs.dtype.element_ty
     for k0 in range(0, hidden, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < hidden
@@ -74,13 +73,12 @@ def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok
 
 
 @triton.jit
-def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth, stride_pn, stride_sn,
+def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                     DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """launch.matmul_tile with an INT4 expert weight [out, depth]."""
+    """launch.matmul_tile with an INT4 expert weight [out, depth]; dtype: a's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    dtype = a_ptrs.dtype.element_ty
     for k0 in range(0, depth, BLOCK_K):
         k = k0 + offs_k
         k_ok = k < depth
@@ -140,8 +138,8 @@ def gate_up_kernel(
             if W4:
                 e = expert.to(tl.int64)
                 h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
-                                    col_ok, hidden, stride_wk, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, DOT_F32,
-                                    PRECISION)
+                                    col_ok, hidden, stride_wk, stride_sn, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
+                                    BLOCK_K, GROUP, DOT_F32, PRECISION)
             else:
                 gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
@@ -184,7 +182,8 @@ def down_kernel(
             if W4:
                 e = expert.to(tl.int64)
                 acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,
-                                      inter, stride_wk, stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, DOT_F32, PRECISION)
+                                      inter, stride_wk, stride_sn, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      GROUP, DOT_F32, PRECISION)
             else:
                 w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 acc = matmul_tile(h_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, row_ok, col_ok, inter,

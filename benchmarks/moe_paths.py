@@ -1,13 +1,17 @@
-"""Routed experts at few rows: the fused Triton MoE (ops/moe.py, several tile shapes)
-against the grouped-GEMM path (MoE._grouped, torch._grouped_mm) it replaces below
-KernelPolicy.moe_fused_max_tokens, and against the floor of reading the touched experts' weights once.
+"""Routed experts: the fused Triton MoE (ops/moe.py, several tile shapes) against the grouped-GEMM
+path (ops/moe.grouped_moe, torch._grouped_mm) it replaces below KernelPolicy.moe_fused_max_tokens,
+and against the floors.
 
     python benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 --tokens 1 2 4 8 16 32 64 65 128
+    python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 2080 --tiles auto   # INT4 experts
 
-One MoE layer of each config with random bf16 weights on the GPU; the router's own choices on
-random rows (so routing is about uniform, as in a balanced trained model). Each time is the median
-of CUDA-graph replays (common.time_graph_us), the router excluded: both paths get the same ids.
-floor = distinct experts touched x bytes per expert / copy bandwidth measured in this run.
+One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
+stores them where the config says so); the router's own choices on random rows (so routing is
+about uniform, as in a balanced trained model). Each time is the median of CUDA-graph replays
+(common.time_graph_us), the router excluded: both paths get the same ids. The grouped path is
+timed for 16-bit experts only (INT4's is a reference that dequantizes every chosen expert).
+floor = distinct experts touched x bytes per expert (as stored) / copy bandwidth; compute floor =
+2 x tokens x k x 3 x hidden x inter FLOPs / bf16 matmul rate; both measured in this run.
 Writes moe_paths-<gpu>.{json,md}.
 """
 
@@ -25,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, measure_ceilings, time_graph_us, write_results  # noqa: E402
 
 from ddtree.models import TargetConfig  # noqa: E402
-from ddtree.ops.moe import Workspace, fused_moe  # noqa: E402
-from ddtree.models.layers import MoE
+from ddtree.models.checkpoint import init_random  # noqa: E402
+from ddtree.models.layers import MoE  # noqa: E402
 from ddtree.ops import KernelPolicy  # noqa: E402
+from ddtree.ops.moe import Workspace, fused_moe, grouped_moe  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
@@ -39,35 +44,39 @@ def tile_name(tile) -> str:
 
 def moe_layer(name: str) -> MoE:
     cfg = TargetConfig.from_dict(json.loads((CONFIGS / f"{name}.json").read_text()))
-    layer = MoE(cfg)
+    with torch.device("meta"):
+        layer = MoE(cfg)
     layer.shared_experts = None  # dense and the same on both paths: not what is compared
-    layer.to(device="cuda", dtype=torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0.0, 0.02, generator=gen)
-    return layer
+    layer = layer.to(torch.bfloat16).to_empty(device="cuda")
+    return init_random(layer, seed=0)  # INT4: random words and scales, as random_target makes them
 
 
 @torch.no_grad()
 def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) -> list[dict]:
     cfg = layer.gate.cfg
     e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    expert_bytes = 3 * h * i * 2
+    stored = list(layer.parameters(recurse=False))
+    expert_bytes = sum(p.numel() * p.element_size() for p in stored) / e
+    experts = layer.experts()
+    int4 = layer.int4 is not None
     rows = []
     for t in tokens:
-        x = torch.randn(t, h, device=layer.w_down.device, dtype=layer.w_down.dtype)
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = layer.gate(x)
         touched = int(ids.unique().numel())
         floor = touched * expert_bytes / (ceilings["copy_bandwidth_GBps"] * 1e3)
-        row = {"config": name, "tokens": t, "experts_touched": touched, "floor_us": floor}
-        row["grouped_us"] = time_graph_us(lambda: layer._grouped(x, weights, ids), launches_per_graph=5, trials=15)
+        compute = 2 * t * ids.shape[1] * 3 * h * i / (ceilings["bf16_matmul_TFLOPs"] * 1e6)
+        row = {"config": name, "int4": int4, "tokens": t, "experts_touched": touched, "floor_us": floor,
+               "compute_floor_us": compute}
+        if not int4:
+            row["grouped_us"] = time_graph_us(lambda: grouped_moe(x, *experts, weights, ids), launches_per_graph=5,
+                                              trials=15)
         out = torch.empty_like(x)
-        want = layer._grouped(x, weights, ids).float()
+        want = grouped_moe(x, *experts, weights, ids).float()
         for tile in tiles:
             m, n, k = tile or (None, None, None)  # auto: fused_moe's own choice (block_m_for, tiles_for)
             ws = Workspace.empty(t, ids.shape[1], e, h, i, x.dtype, x.device, m)
-            run = lambda: fused_moe(x, layer.w_gate_up, layer.w_down, weights, ids, out=out, workspace=ws,  # noqa: E731
+            run = lambda: fused_moe(x, *experts, weights, ids, out=out, workspace=ws,  # noqa: E731
                                     block_m=m, block_n=n, block_k=k)
             out.fill_(float("nan"))
             run()
@@ -77,7 +86,8 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
         fused = {key: v for key, v in row.items() if key.startswith("fused_") and key.endswith("_us")}
         best = min(fused, key=fused.get)
         row |= {"best_fused": best.removeprefix("fused_").removesuffix("_us"), "best_fused_us": fused[best],
-                "grouped_over_best_fused": row["grouped_us"] / fused[best]}
+                "grouped_over_best_fused": row["grouped_us"] / fused[best] if "grouped_us" in row else None,
+                "best_fused_over_floor": fused[best] / max(floor, compute)}
         print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if not k.endswith("_err")}, flush=True)
         rows.append(row)
     return rows
@@ -110,13 +120,15 @@ def main() -> None:
 
 def report(rows: list[dict], tiles, ceilings: dict) -> str:
     tile_names = [tile_name(t) for t in tiles]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     table = markdown_table(
-        ["config", "tokens", "experts touched", "floor (us)", "grouped (us)", *[f"fused {t} (us)" for t in tile_names],
-         "grouped / best fused", "best fused x floor"],
-        [[r["config"], r["tokens"], r["experts_touched"], f"{r['floor_us']:.1f}", f"{r['grouped_us']:.1f}",
-          *[f"{r[f'fused_{t}_us']:.1f}" for t in tile_names], f"{r['grouped_over_best_fused']:.2f}",
-          f"{r['best_fused_us'] / r['floor_us']:.2f}"] for r in rows])
-    return (f"One routed-expert layer (shared expert left out, router excluded), random bf16 weights; tiles are "
+        ["config", "experts", "tokens", "experts touched", "read floor (us)", "compute floor (us)", "grouped (us)",
+         *[f"fused {t} (us)" for t in tile_names], "grouped / best fused", "best fused / floor"],
+        [[r["config"], "INT4" if r.get("int4") else "bf16", r["tokens"], r["experts_touched"], f"{r['floor_us']:.1f}",
+          f"{r['compute_floor_us']:.1f}", fmt(r.get("grouped_us"), ".1f"),
+          *[f"{r[f'fused_{t}_us']:.1f}" for t in tile_names], fmt(r["grouped_over_best_fused"], ".2f"),
+          f"{r['best_fused_over_floor']:.2f}"] for r in rows])
+    return (f"One routed-expert layer (shared expert left out, router excluded), random weights; tiles are "
             f"BLOCK_M x BLOCK_N x BLOCK_K, auto is fused_moe's own choice (block_m_for, tiles_for). MoE takes the "
             f"fused path automatically at <= {KernelPolicy().moe_fused_max_tokens} tokens. Measured ceilings: copy "
             f"{ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite tests tiny demo moonlight kimi steps sync
+#   dev/auto_budget_device.sh OUT suite ops int4moe tests tiny demo moonlight kimi steps sync
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # Each part's files land under OUT (the device tool brings back 8 files at most: pick parts to fit).
@@ -19,6 +19,8 @@ for part in "$@"; do
            echo "suite rc $?"; grep -E "passed|failed|Timeout|^[0-9.]+s (call|setup)" "$out/cuda_suite.log" | head -40 ;;
     ops) timeout "${OPS_S:-120}" python3 -m pytest -q -p no:cacheprovider -n 4 tests/ops/test_int4.py tests/ops/test_moe.py \
            tests/ops/test_moe_decode.py 2>&1 | tee "$out/ops.log" | tail -6 ;;
+    int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
+               --tiles auto --out "$out" 2>&1 | tail -12 ;;
     tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \
             --out-dir /tmp/tiny 2>&1 | grep -A3 "Bars\|^  " ;;
     demo) timeout "${DEMO_S:-420}" python3 benchmarks/auto_budget.py --pair demo --passes "${PASSES:-5}" --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;

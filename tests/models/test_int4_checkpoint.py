@@ -206,3 +206,16 @@ def test_the_round_floor_counts_int4_experts_by_their_bytes():
     assert counts.expert_bytes == 3 * h * i / 2 + 3 * h * i / 8 * 2  # 4-bit words, one bf16 scale per 8
     sixteen = ModelCounts.of(random_target(dataclasses.replace(cfg, int4_experts=None)), Drafter(drafter_config(cfg)))
     assert sixteen.expert_bytes == 3 * h * i * 2 and sixteen.dense == counts.dense
+
+
+def test_the_wrapper_names_its_stop_tokens_in_its_text_config(int4_dirs, tmp_path):
+    from ddtree.engine.loading import stop_token_ids
+
+    import shutil
+
+    bare, wrapped = int4_dirs[0][0], tmp_path / "wrapped"
+    shutil.copytree(int4_dirs[1][0], wrapped)
+    (wrapped / "generation_config.json").unlink(missing_ok=True)  # config.json alone names them
+    text = json.loads((wrapped / "config.json").read_text())["text_config"]
+    assert "eos_token_id" not in json.loads((wrapped / "config.json").read_text())
+    assert stop_token_ids(wrapped) == stop_token_ids(bare) == (int(text["eos_token_id"]),)

@@ -38,12 +38,14 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
 
 
 def stop_token_ids(path: str | Path, tokenizer=None) -> tuple[int, ...]:
-    """End-of-text ids: generation_config.json's eos_token_id, else config.json's, else the tokenizer's."""
+    """End-of-text ids: generation_config.json's eos_token_id, else config.json's (a multimodal
+    wrapper's, else its text_config's), else the tokenizer's."""
     path = Path(path)
     for name in ("generation_config.json", "config.json"):
         file = path / name
         if file.is_file():
-            eos = json.loads(file.read_text()).get("eos_token_id")
+            raw = json.loads(file.read_text())
+            eos = raw.get("eos_token_id", (raw.get("text_config") or {}).get("eos_token_id"))
             if eos is not None:
                 return tuple(eos) if isinstance(eos, list) else (int(eos),)
     if tokenizer is not None and tokenizer.eos_token_id is not None:

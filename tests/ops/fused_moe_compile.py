@@ -81,6 +81,6 @@ def all_reports() -> dict[str, dict]:
         "gate_up_int4": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), int4,
                                        **gemm),
         "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
-        "sum": compile_report(fused_moe_kernels.sum_choices_kernel, dict(y_ptr="*fp32", out_ptr=dtype),
+        "sum": compile_report(fused_moe_kernels.sum_choices_kernel, dict(y_ptr="*fp32", ids_ptr="*i64", out_ptr=dtype),
                               dict(TOP_K=8, SHARED=1, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
     }

@@ -387,3 +387,23 @@ def test_fused_moe_captures_in_a_cuda_graph():
     ids.copy_(Case(16, 8, 64, 1, 1, seed=8).ids())
     graph.replay()
     assert torch.equal(captured, fused_moe(x, w_gate_up, w_down, weights, ids))
+
+
+@pytest.mark.parametrize("tokens", [1, 6])  # one token: the direct mode; six: aligned blocks
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_pairs_of_other_ranks_experts_add_nothing(tokens, dtype, kernel_device):
+    """Expert parallelism hands each rank the router's choices with other ranks' experts as -1
+    (or past E): both paths drop those pairs, so the rows sum only this rank's experts."""
+    case = Case(tokens, 3, 6, 40, 24, seed=40 + tokens)
+    x, w_gate_up, w_down, weights, ids = make_inputs(case, dtype, kernel_device)
+    w_gate_up, w_down = w_gate_up.nan_to_num(0.0), w_down.nan_to_num(0.0)
+    drop = torch.rand(ids.shape, generator=torch.Generator().manual_seed(tokens)) < 0.4
+    drop[0, 0] = True
+    theirs = ids.cpu().masked_fill(drop, -1)
+    theirs[0, 0] = case.experts + 2  # past E: dropped too
+    theirs = theirs.to(kernel_device)
+    kept = weights.cpu().masked_fill(drop, 0.0)
+    want = moe_reference(x.cpu(), w_gate_up.cpu(), w_down.cpu(), kept, ids.masked_fill(drop.to(ids.device), 0).cpu())
+    got = fused_moe(x, w_gate_up, w_down, weights, theirs, out=torch.full_like(x, float("nan")))
+    assert_close(got, want, TOL[dtype])
+    assert_close(grouped_moe(x.cpu(), w_gate_up.cpu(), w_down.cpu(), weights.cpu(), theirs.cpu()), want, TOL[dtype])

@@ -15,6 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..ops.policy import KernelPolicy
+from ..parallel.checkpoint_parts import expert_range, tensor_part
+from ..parallel.shard import SINGLE, Shard
 from . import expert_weights
 from .config import TargetConfig, text_config
 from .drafter import Drafter, DrafterConfig, check_pair
@@ -41,16 +43,18 @@ def shard_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def checkpoint_tensors(path: Path, dtype: torch.dtype, skip=lambda name: False):
+def checkpoint_tensors(path: Path, dtype: torch.dtype, skip=lambda name: False, part=lambda name: None):
     """Yield (name, tensor) over every shard, one tensor at a time (no full copy of the model in
     host memory): float tensors in `dtype`, INT4 words and shapes (models/quant.py) as stored;
-    names for which `skip` is true are never read; other storage is refused by name."""
+    names for which `skip` is true are never read; `part(name)`: the index to read of that tensor
+    (a tensor-parallel rank's rows or columns; None: all of it); other storage is refused by name."""
     for shard in shard_files(path):
         with safe_open(str(shard), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if skip(name):
                     continue
-                tensor = f.get_tensor(name)
+                index = part(name)
+                tensor = f.get_tensor(name) if index is None else f.get_slice(name)[index]
                 kind = name.rsplit(".", 1)[-1]
                 if kind in _INT_TENSORS and not tensor.is_floating_point():
                     yield name, tensor
@@ -68,9 +72,9 @@ def _materialize(module: torch.nn.Module, dtype: torch.dtype, device) -> torch.n
     return module.to(dtype).to_empty(device=device)
 
 
-def _empty_target(cfg: TargetConfig, dtype: torch.dtype, device, policy: KernelPolicy) -> Target:
+def _empty_target(cfg: TargetConfig, dtype: torch.dtype, device, policy: KernelPolicy, shard: Shard = SINGLE) -> Target:
     with torch.device("meta"):
-        model = Target(cfg, policy)
+        model = Target(cfg, policy, shard)
     model = _materialize(model, dtype, device)
     model.inv_freq = inv_freq_and_factor(cfg)[0].to(device)  # stays float32, unlike the weights
     model.fuse_input_projections()  # before any weight is copied in: one GEMM reads each layer's input
@@ -171,39 +175,44 @@ def load_drafter(
     return model.eval()
 
 
-def _skipped(name: str, cfg: TargetConfig, prefix: str) -> bool:
+def _skipped(name: str, cfg: TargetConfig, prefix: str, experts: range) -> bool:
     """Tensors the target does not use: anything outside the text model (a multimodal wrapper's
-    vision tower and projector), multi-token-prediction layers past num_hidden_layers and cached
-    rotary tables."""
+    vision tower and projector), multi-token-prediction layers past num_hidden_layers, cached
+    rotary tables, and the routed experts other ranks hold."""
     if not name.startswith(prefix):
         return True
     layer = _LAYER.search(name)
-    return (layer is not None and int(layer[1]) >= cfg.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
+    if (layer is not None and int(layer[1]) >= cfg.num_hidden_layers) or name.endswith("rotary_emb.inv_freq"):
+        return True
+    expert = expert_weights.EXPERT_TENSOR.fullmatch(name.removeprefix(prefix).removeprefix("model."))
+    return expert is not None and int(expert[2]) not in experts
 
 
 def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                policy: KernelPolicy = KernelPolicy()) -> Target:
+                policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE) -> Target:
     """Build the target from config.json and fill it from the checkpoint's safetensors shards.
 
     Tensors are read one at a time (no full copy of the model in host memory), checked against the
     expected shape and copied into place; anything missing or unexpected is an error naming it.
     A multimodal wrapper's text model (Kimi K2.5 / K2.6) is read from its text_config and prefixed
     weights, the rest never read; INT4 routed experts are kept packed (models/quant.py).
-    policy: every layer's kernel policy (ops/policy.py).
+    policy: every layer's kernel policy (ops/policy.py); shard: the part this process holds and
+    reads (parallel/shard.py: its heads, columns, vocabulary rows and experts, nothing else).
     """
     path = Path(path)
     cfg = TargetConfig.from_pretrained(path)
     _, prefix = text_config(json.loads((path / "config.json").read_text()))
-    model = _empty_target(cfg, dtype, device, policy)
+    model = _empty_target(cfg, dtype, device, policy, shard)
+    experts = expert_range(cfg, shard)
     params = dict(model.named_parameters())
-    experts = (".w_gate_up", ".w_down", ".w_gate_up_packed", ".w_gate_up_scale", ".w_down_packed", ".w_down_scale")
-    expected = {n for n in params if not n.endswith(experts)}
+    expected = {n for n in params if ".mlp.w_" not in n}  # the stacked routed experts: by their own names
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     loaded: set[str] = set()
-    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: _skipped(name, cfg, prefix)):
+    part = lambda name: tensor_part(cfg, shard, name.removeprefix(prefix).removeprefix("model."))  # noqa: E731
+    for name, tensor in checkpoint_tensors(path, dtype, skip=lambda name: _skipped(name, cfg, prefix, experts), part=part):
         _place(model, params, cfg, name.removeprefix(prefix), tensor, loaded)
-    missing = sorted((expected | expert_weights.expected_names(cfg)) - loaded)
+    missing = sorted((expected | expert_weights.expected_names(cfg, experts)) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
     if cfg.tie_word_embeddings:

@@ -229,8 +229,8 @@ class Drafter(nn.Module):
         the target's lm_head over slots 1.., which predict the next block_size - 1 tokens."""
         block = torch.full((bonus.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
         block[:, 0] = bonus
-        hidden = self(target.embed_tokens(block), cache, key_limit)
-        return target.lm_head(hidden[:, 1:]).float()
+        hidden = self(target.embed(block), cache, key_limit)
+        return target.logits_of(hidden[:, 1:])
 
 
 def check_pair(target_cfg, drafter_cfg: DrafterConfig) -> None:

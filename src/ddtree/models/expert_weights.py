@@ -26,18 +26,24 @@ def stored_as(cfg: TargetConfig) -> tuple[str, ...]:
     return ("weight",) if cfg.int4_experts is None else ("weight_packed", "weight_scale", "weight_shape")
 
 
-def expected_names(cfg: TargetConfig) -> set[str]:
-    """Every routed-expert tensor name a checkpoint of `cfg` must hold (`model.` prefix)."""
+def expected_names(cfg: TargetConfig, experts: range | None = None) -> set[str]:
+    """Every routed-expert tensor name (`model.` prefix) a checkpoint of `cfg` must hold for the
+    experts `experts` (default: all; a rank of an expert-parallel target: its own)."""
+    experts = range(cfg.n_routed_experts) if experts is None else experts
     return {f"model.layers.{i}.mlp.experts.{e}.{p}.{kind}"
             for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)
-            for e in range(cfg.n_routed_experts) for p in PROJECTIONS for kind in stored_as(cfg)}
+            for e in experts for p in PROJECTIONS for kind in stored_as(cfg)}
 
 
 def place(moe: MoE, cfg: TargetConfig, name: str, match: re.Match, tensor: torch.Tensor) -> None:
-    """Copy checkpoint tensor `name` (matched by EXPERT_TENSOR) into `moe`; raises naming it."""
+    """Copy checkpoint tensor `name` (matched by EXPERT_TENSOR) into `moe` (which holds the experts
+    moe.local of them); raises naming it."""
     e, proj, kind = int(match[2]), match[3], match[4]
     if e >= cfg.n_routed_experts:
         raise ValueError(f"unexpected checkpoint tensor {name} (the layer has {cfg.n_routed_experts} routed experts)")
+    if not moe.local.start <= e < moe.local.stop:
+        raise ValueError(f"checkpoint tensor {name}: expert {e} is not this rank's ({moe.local.start} .. {moe.local.stop - 1})")
+    e -= moe.local.start
     if kind not in stored_as(cfg):
         how = "16-bit" if cfg.int4_experts is None else f"INT4 (group {cfg.int4_experts.group_size})"
         raise ValueError(f"checkpoint tensor {name}: config.json's quantization_config says the routed experts are "

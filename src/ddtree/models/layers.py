@@ -21,6 +21,7 @@ from ..ops.moe_align import MAX_PAIRS
 from ..ops.norm import rms_norm, rms_norm_reference
 from ..ops.policy import KernelPolicy
 from ..ops.router import fused_route, route_reference
+from ..parallel.shard import SINGLE, Shard
 from .config import TargetConfig
 
 # -- two projections of one input in one buffer ------------------------------------------------
@@ -170,10 +171,13 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). With a shard of several ranks each holds inter / world
+    of the intermediate columns and returns its partial sum (the caller all-reduces)."""
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, shard: Shard = SINGLE):
         super().__init__()
+        mine = shard.part(inter, "an MLP's intermediate size")
+        inter = mine.stop - mine.start
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
@@ -243,9 +247,10 @@ class MoE(nn.Module):
       rows on CUDA, in chunks the expert alignment holds.
     """
 
-    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE):
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.local = shard.part(cfg.n_routed_experts, "n_routed_experts")  # expert parallel: this rank's experts
+        e, h, i = self.local.stop - self.local.start, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Router(cfg, policy)
         self.int4 = cfg.int4_experts
         if self.int4 is None:
@@ -259,8 +264,8 @@ class MoE(nn.Module):
             self.w_down_packed = frozen(e, h, i // words, dtype=torch.int32)
             self.w_down_scale = frozen(e, h, i // g)
         self.inter = i
-        self.shared_experts = MLP(h, i * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        self.policy = policy
+        self.shared_experts = MLP(h, i * cfg.n_shared_experts, shard) if cfg.n_shared_experts else None
+        self.policy, self.shard = policy, shard
 
     def experts(self) -> tuple[torch.Tensor | PackedInt4, torch.Tensor | PackedInt4]:
         """(w_gate_up, w_down) as ops/moe.py takes them: tensors, or INT4 PackedInt4."""
@@ -271,13 +276,18 @@ class MoE(nn.Module):
                 PackedInt4(self.w_down_packed, self.w_down_scale, g))
 
     def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """x [..., hidden] -> [..., hidden]; router_ids, when a list, receives the expert ids
-        int64 [tokens, k] this call routed to (the engine counts the experts a verify touched)."""
+        """x [..., hidden] -> [..., hidden] (with a shard of several ranks: this rank's partial sum,
+        its experts' share and its columns of the shared experts; the caller all-reduces);
+        router_ids, when a list, receives the expert ids int64 [tokens, k] this call routed to (the
+        engine counts the experts a verify touched)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
         if router_ids is not None:
             router_ids.append(ids)
+        if self.shard.world > 1:  # other ranks' experts: id -1, which both paths drop
+            local = ids - self.local.start
+            ids = torch.where((local >= 0) & (local < self.local.stop - self.local.start), local, -1)
         shared = None
         w_gate_up, w_down = self.experts()
         # The fused path reads the shared MLP's weights too: autograd on any of them keeps PyTorch.

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..ops.gemm import linear as few_row_linear
 from ..ops.policy import KernelPolicy
+from ..parallel.shard import SINGLE, Shard
 from .config import TargetConfig
 from .layers import MLP, MoE, RMSNorm, both, inv_freq_and_factor, join, rotary_cos_sin, rotate, softmax_scale
 from .paged import ForwardMeta, PrefillMeta, absorbed_attention, attend, gather_entries, write_entries
@@ -35,11 +36,14 @@ class MLA(nn.Module):
     GEMM and the tree-verify kernel, or the PyTorch reference.
     """
 
-    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE):
         super().__init__()
         self.cfg = cfg
         self.policy = policy
-        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.shard = shard
+        h = cfg.hidden_size
+        mine = shard.part(cfg.num_attention_heads, "attention heads")
+        self.heads = heads = mine.stop - mine.start  # this rank's heads; the latent cache stays whole
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False)
         else:
@@ -68,7 +72,7 @@ class MLA(nn.Module):
         q, kv = both(*self._input_projections(), x, linear)
         if cfg.q_lora_rank is not None:
             q = linear(self.q_a_layernorm(q), self.q_b_proj.weight)
-        return q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim), kv
+        return q.view(*x.shape[:2], self.heads, cfg.qk_head_dim), kv
 
     def rotated(self, q: torch.Tensor, kv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """PyTorch path: project's outputs -> q_nope [B, T, H, nope], q_rope [B, T, H, rope]
@@ -97,7 +101,7 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope[:, :, None].expand(-1, -1, heads, -1)], -1).transpose(1, 2)  # [B, H, L, qk]
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=attn_mask, is_causal=attn_mask is None,
                                              scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return self.shard.all_reduce(self.o_proj(out.transpose(1, 2).reshape(b, n, -1)))
 
     def forward_prefill(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Causal attention over the sequence itself, plain (non-absorbed) form."""
@@ -115,7 +119,7 @@ class MLA(nn.Module):
     def absorbed_weight(self) -> torch.Tensor:
         """kv_b_proj's weight as [H, qk_nope + v, kv_lora_rank]: W_UK and W_UV per head."""
         cfg = self.cfg
-        return self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+        return self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
                                           cfg.kv_lora_rank)
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
@@ -136,27 +140,33 @@ class MLA(nn.Module):
             q, kv = self.project(x, self._linear)
             norm = (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
             out = absorbed_attention(q, kv, w, norm, meta, cache, rope, self.scale, cfg.rope_interleave, self.policy)
-            return self._linear(out.view(b, n, -1), self.o_proj.weight)
+            return self.shard.all_reduce(self._linear(out.view(b, n, -1), self.o_proj.weight))
         q, kv = self.project(x)
         q_nope, q_rope, entries = self.rotated(q, kv, rope)
         write_entries(cache, entries, meta)
         q_latent = torch.einsum("bnhk,hkc->bnhc", q_nope, w[:, : cfg.qk_nope_head_dim])  # W_UK absorbed
         out_latent = attend(torch.cat([q_latent, q_rope], -1), cache, meta, self.scale, cfg.kv_lora_rank)  # reference
         out = torch.einsum("bnhc,hvc->bnhv", out_latent.to(x.dtype), w[:, cfg.qk_nope_head_dim :])  # W_UV
-        return self.o_proj(out.reshape(b, n, -1))
+        return self.shard.all_reduce(self.o_proj(out.reshape(b, n, -1)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer: int, policy: KernelPolicy = KernelPolicy()):
+    def __init__(self, cfg: TargetConfig, layer: int, policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
-        self.self_attn = MLA(cfg, policy)
+        self.self_attn = MLA(cfg, policy, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
-        self.mlp = MoE(cfg, policy) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (MoE(cfg, policy, shard) if cfg.is_moe_layer(layer)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, shard))
+        self.shard = shard
+
+    def feed_forward(self, h: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The MLP or MoE of the normed input, its ranks' partial outputs summed."""
+        return self.shard.all_reduce(self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.self_attn.forward_prefill(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
     def forward_paged(self, x: torch.Tensor, delta: torch.Tensor | None, meta: ForwardMeta | PrefillMeta,
                       cache: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -167,22 +177,41 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn.forward_prefill_paged if isinstance(meta, PrefillMeta) else self.self_attn.forward_paged
         x, h = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm(x, delta)
         x, h = self.post_attention_layernorm(x, attn(h, meta, cache, rope))
-        return x, (self.mlp(h, router_ids) if isinstance(self.mlp, MoE) else self.mlp(h))
+        return x, self.feed_forward(h, router_ids)
 
 
 class Target(nn.Module):
-    """Embedding, decoder layers, final norm, lm_head. policy: every layer's kernel policy."""
+    """Embedding, decoder layers, final norm, lm_head. policy: every layer's kernel policy; shard:
+    the part of the model this process holds (parallel/shard.py; the embedding and lm_head by
+    vocabulary rows: embed() and logits_of() join the ranks' parts)."""
 
-    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy()):
+    def __init__(self, cfg: TargetConfig, policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, policy) for i in range(cfg.num_hidden_layers))
+        self.shard = shard
+        self.vocab_rows = shard.part(cfg.vocab_size, "vocab_size")
+        vocab = self.vocab_rows.stop - self.vocab_rows.start
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, policy, shard) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         inv_freq, factor = inv_freq_and_factor(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rope_factor = factor
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., hidden] of ids [...]: each rank looks up its vocabulary rows."""
+        if self.shard.world == 1:
+            return self.embed_tokens(ids)
+        local = ids - self.vocab_rows.start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        rows = self.embed_tokens(torch.where(mine, local, 0)) * mine[..., None]
+        return self.shard.all_reduce(rows)
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., vocab] of normed hidden states [..., hidden]: the ranks' vocabulary
+        rows gathered."""
+        return self.shard.all_gather(self.lm_head(hidden).float())
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()
@@ -194,14 +223,14 @@ class Target(nn.Module):
         """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = rotary_cos_sin(positions, self.inv_freq, self.rope_factor, x.dtype)
         captured = []
         for i, layer in enumerate(self.layers):
             x = layer(x, rope)
             if i in hidden_layers:
                 captured.append(x)
-        return self.lm_head(self.norm(x)).float(), captured
+        return self.logits_of(self.norm(x)), captured
 
     def new_cache(self, num_pages: int, page_size: int = 64, device=None, dtype=None) -> list[torch.Tensor]:
         """One paged latent cache per layer: [num_pages + 1, page_size, kv_lora_rank + qk_rope_head_dim].
@@ -236,7 +265,7 @@ class Target(nn.Module):
         Returns logits float32 [B, N, vocab] ([B, 1, vocab] with logit_rows) and the chosen
         layers' outputs [B, N, hidden].
         """
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = rotary_cos_sin(meta.positions, self.inv_freq, self.rope_factor, x.dtype)  # once, not per layer
         captured, delta = [], None
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
@@ -246,7 +275,7 @@ class Target(nn.Module):
         if logit_rows is not None:
             rows = logit_rows.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
             x, delta = x.gather(1, rows), (None if delta is None else delta.gather(1, rows))
-        return self.lm_head(self.norm(x) if delta is None else self.norm(x, delta)[1]).float(), captured
+        return self.logits_of(self.norm(x) if delta is None else self.norm(x, delta)[1]), captured
 
     def fuse_input_projections(self) -> None:
         """One GEMM for the inputs of every layer's attention (MLA.fuse_input_projections) and of

@@ -191,8 +191,8 @@ def fused_moe(
                 then up rows, as compressed-tensors packs them (then w_down too).
     w_down:     x.dtype [E, inter, hidden], contiguous (MoE.w_down); or INT4 [E, hidden, inter].
     weights:    float32 [T, k], contiguous: the router's weight of each choice.
-    ids:        int64 [T, k], contiguous: the chosen experts, each in [0, E) (not checked: that
-                would read them back; a pair outside is dropped and its out row left undefined).
+    ids:        int64 [T, k], contiguous: the chosen experts; a pair whose id is outside [0, E) (-1:
+                another rank's expert under expert parallelism) is dropped and adds nothing.
     shared:     optional SharedExperts (MoE.shared_experts' weights, S * inter wide), added with
                 weight 1 inside the same launches.
     out:        optional x.dtype [T, hidden] contiguous buffer for the result.
@@ -237,7 +237,7 @@ def fused_moe(
         blocks = align_by_expert(ids, experts, block_m, out=(workspace.sorted_pairs, workspace.block_expert), pdl=pdl)
     _launch(x, w_gate_up, w_down, weights, ids, blocks, workspace, shared, num_shared, block_m, block_n, block_k, pdl)
     sum_choices_kernel[(tokens, triton.cdiv(hidden, SUM_BLOCK))](
-        workspace.y, out, hidden, tokens * top_k, tokens, TOP_K=top_k, SHARED=num_shared,
+        workspace.y, ids, out, hidden, tokens * top_k, tokens, experts, TOP_K=top_k, SHARED=num_shared,
         BLOCK=SUM_BLOCK, num_warps=NUM_WARPS, **launch_flags(x.device, pdl))
     return out
 
@@ -280,8 +280,11 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor | PackedInt4, w_down: t
     experts), and the path for many rows and for autograd. Tensors as fused_moe's (x [T, hidden];
     any device torch._grouped_mm runs on). Pairs are sorted by expert (no per-token or per-expert
     Python loop, no host sync: expert offsets stay on the device); the k choices are summed in
-    float32 in choice order, deterministic unlike an atomic index_add_. INT4 experts: the experts
-    the tokens chose are dequantized first (int4.dequantize_int4), which reads the ids back."""
+    float32 in choice order, deterministic unlike an atomic index_add_. A pair whose id is outside
+    [0, E) (another rank's expert) adds nothing, as in fused_moe. INT4 experts: the experts the
+    tokens chose are dequantized first (int4.dequantize_int4), which reads the ids back."""
+    dropped = (ids < 0) | (ids >= expert_shape(w_gate_up)[0])  # another rank's experts (expert parallel)
+    ids = ids.masked_fill(dropped, 0)
     if isinstance(w_gate_up, PackedInt4):
         w_gate_up, w_down, ids = _dequantized_experts(x.dtype, w_gate_up, w_down, ids)
     k = ids.shape[1]
@@ -295,7 +298,8 @@ def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor | PackedInt4, w_down: t
     routed = torch._grouped_mm(F.silu(gate) * up, w_down, offs=offsets)
     per_choice = torch.empty_like(routed)
     per_choice[order] = routed
-    return (per_choice.view(-1, k, routed.shape[-1]).float() * weights[..., None]).sum(1).to(x.dtype)
+    per_choice = per_choice.view(-1, k, routed.shape[-1]).float() * weights[..., None]
+    return torch.where(dropped[..., None], 0.0, per_choice).sum(1).to(x.dtype)
 
 
 def _dequantized_experts(dtype: torch.dtype, w_gate_up: PackedInt4, w_down: PackedInt4, ids: torch.Tensor):

@@ -202,17 +202,20 @@ def down_kernel(
 
 
 @triton.jit
-def sum_choices_kernel(y_ptr, out_ptr, hidden, num_pairs, num_tokens,
-                        TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def sum_choices_kernel(y_ptr, ids_ptr, out_ptr, hidden, num_pairs, num_tokens, num_experts,
+                       TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = y[t, 0] + ... + y[t, k-1] (+ the S shared rows of t), float32 in that order (the
-    same bits in every run and graph replay), rounded to out's dtype."""
+    same bits in every run and graph replay), rounded to out's dtype; a choice whose expert id is
+    outside [0, num_experts) (dropped: another rank's expert) adds nothing."""
     wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < hidden
     acc = tl.zeros(offs.shape, tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + j) * hidden + offs, mask=ok, other=0.0)
+        expert = tl.load(ids_ptr + token * TOP_K + j)
+        mine = (expert >= 0) & (expert < num_experts)
+        acc += tl.load(y_ptr + (token * TOP_K + j) * hidden + offs, mask=ok & mine, other=0.0)
     for s in tl.static_range(SHARED):
         acc += tl.load(y_ptr + (num_pairs + s * num_tokens + token) * hidden + offs, mask=ok, other=0.0)
     tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)

@@ -106,6 +106,9 @@ def add_pair_arguments(p: argparse.ArgumentParser, sized_to_prompts: bool = Fals
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay rounds from CUDA graphs (default: on for bf16 on Hopper / Blackwell; "
                         "--no-cuda-graphs to debug)")
+    p.add_argument("--tensor-parallel", type=positive(int), default=1,
+                   help="split the target over this many GPUs (heads, experts, vocabulary; one process each, "
+                        "started by this one); on the CPU, that many gloo processes")
 
 
 # serve's and profile's default batch: a CPU steps a batch of 32 slowly, measures its round costs
@@ -138,6 +141,13 @@ def check_before_loading(args) -> str | None:
             return f"--device {device}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
         if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
             return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices"
+    ranks = getattr(args, "tensor_parallel", 1)
+    if ranks > 1:
+        import torch
+
+        on_cuda = device is None and torch.cuda.is_available() or device is not None and device.startswith("cuda")
+        if on_cuda and ranks > torch.cuda.device_count():
+            return f"--tensor-parallel {ranks}: this machine has {torch.cuda.device_count()} CUDA devices"
     for flag in ("target", "drafter"):
         path = getattr(args, flag, None)
         if path is not None and not Path(path).is_dir():
@@ -167,4 +177,4 @@ def load_engine(args, **engine_args):
         args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
         trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
         num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget, cuda_graphs=args.cuda_graphs,
-        **engine_args)
+        tensor_parallel=args.tensor_parallel, **engine_args)

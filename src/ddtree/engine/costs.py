@@ -20,7 +20,8 @@ FORMAT = "ddtree.round_costs/1"
 def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool, page_size: int = 64,
                    overlap: bool = True) -> dict:
     """What a cost table depends on: the two models' shapes, their dtype, the device, graphs on or
-    off, the cache's page size and whether steps overlap the host's work with the device's."""
+    off, the cache's page size, whether steps overlap the host's work with the device's, and how
+    many ranks the target is split over."""
     cfg = target.cfg
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -30,6 +31,7 @@ def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool, pag
         "cuda_graphs": bool(cuda_graphs),
         "page_size": page_size,
         "overlap": bool(overlap),
+        "ranks": target.shard.world,  # a tensor-parallel round costs what its collectives add
         "target": {key: getattr(cfg, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size",
                                                       "n_routed_experts", "num_experts_per_tok", "kv_lora_rank")},
     }

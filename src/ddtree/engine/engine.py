@@ -28,14 +28,14 @@ from .graphs import RoundGraphs, graphs_wanted
 from .inflight import Flight, launch_copy
 from .loading import default_num_pages, load_pair
 from .pages import BlockManager, KVCacheFull, pages_for
-from .prefill import prefill
 from .profiling import buckets_up_to, measure_round_costs
 from .request import Request, RequestOutput, StepOutput, node_limit_for
-from .round import RoundContext, run_round
+from .round import RoundContext
 from .sampling import SamplingParams
 from .scheduling import PlanLimits, batch_requests, generation_params
 from .sizing import DEFAULT_TREE_SIZES, tree_sizer
 from .timing import StageTimer
+from .worker import Worker
 
 log = logging.getLogger("ddtree.engine")
 
@@ -46,7 +46,7 @@ class Engine(OfflineGeneration):
                  max_budget: int = 256, prefill_chunk: int = 512,
                  stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool | None = None,
                  overlap: bool = True, tree_sizes: tuple[int, ...] = DEFAULT_TREE_SIZES,
-                 round_costs: RoundCosts | str | Path | None = None):
+                 round_costs: RoundCosts | str | Path | None = None, relay=None):
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
@@ -61,6 +61,8 @@ class Engine(OfflineGeneration):
         tree_sizes: the sizes a budget="auto" round may verify (those <= max_budget; plain steps
         too); round_costs: the measured cost table (engine/costs.py, or a JSON path from `ddtree
         profile`; None: measured when first needed, engine/profiling.py).
+        relay: with tensor parallelism, rank 0's parallel.relay.Relay, which sends every device
+        call to the other ranks (parallel/launch.py builds it; None: one process or a follower).
         The engine freezes the models it is given (requires_grad False on every weight)."""
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         # Serving never differentiates: without this, every cache write from a weight that
@@ -78,7 +80,7 @@ class Engine(OfflineGeneration):
         self.max_budget = max_budget
         self.max_depth = drafter.cfg.block_size - 1 if drafter is not None else 0
         width = pages_for(self.max_model_len + max(max_budget, self.max_depth) + 1, page_size)
-        num_pages = num_pages or default_num_pages(target, page_size, max_batch * width, self.device)
+        num_pages = target.shard.agree(num_pages or default_num_pages(target, page_size, max_batch * width, self.device))
         self.blocks = BlockManager(num_pages, page_size, max_batch, width)
         self.caches = target.new_cache(num_pages, page_size)
         # A request's last round may commit D tokens past max_model_len - 1, and with overlap the
@@ -97,6 +99,7 @@ class Engine(OfflineGeneration):
         self._last_read: tuple[float, tuple[int, int]] | None = None
         use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
+        self.worker = Worker(self.ctx, self.state, self.graphs, self.max_depth, prefill_chunk, relay)
         self.limits = PlanLimits(max_batch, self.max_depth, cfg.vocab_size, self.moe_layers > 0,
                                  self.state.drafter.keys[0].shape[1] if drafter is not None else 0, use)
         self.signature = pair_signature(target, drafter, self.device, use, page_size, overlap)
@@ -105,24 +108,52 @@ class Engine(OfflineGeneration):
         self._running: dict[int, Request] = {}  # slot -> request
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.ranks = None  # a tensor-parallel rank 0's handle on the others (from_pretrained)
 
     @classmethod
     def from_pretrained(cls, target_dir: str | Path | None = None, drafter_dir: str | Path | None = None, *, device=None,
                         dtype: torch.dtype | None = None, trust_remote_code: bool = False,
-                        kernels: KernelPolicy = KernelPolicy(), **engine_args) -> "Engine":
+                        kernels: KernelPolicy = KernelPolicy(), tensor_parallel: int = 1, **engine_args) -> "Engine":
         """Load target (+ tokenizer, + stop tokens) and drafter from Hugging Face directories.
         With neither directory named, the demo pair shipped in the package (ddtree.demo).
         device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU; kernels:
-        the models' kernel policy (ops/policy.py: "auto" by default)."""
+        the models' kernel policy (ops/policy.py: "auto" by default). tensor_parallel: ranks to
+        split the target over (parallel/: heads, experts, vocabulary); this process is rank 0 and
+        starts the others (GPU r on CUDA, gloo processes on the CPU); close() releases them."""
         if target_dir is None:
             if drafter_dir is not None:
                 raise ValueError("a drafter directory was given without its target directory")
             from ..demo import demo_pair
 
             target_dir, drafter_dir = demo_pair()
-        target, drafter, tokenizer, stops = load_pair(target_dir, drafter_dir, device, dtype, trust_remote_code, kernels)
-        engine_args.setdefault("stop_token_ids", stops)  # an explicit () means: no end-of-text tokens
-        return cls(target, drafter, tokenizer, **engine_args)
+        if tensor_parallel == 1:
+            target, drafter, tokenizer, stops = load_pair(target_dir, drafter_dir, device, dtype, trust_remote_code,
+                                                          kernels)
+            engine_args.setdefault("stop_token_ids", stops)  # an explicit () means: no end-of-text tokens
+            return cls(target, drafter, tokenizer, **engine_args)
+        from ..parallel.launch import start_ranks
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        load = dict(target_dir=target_dir, drafter_dir=drafter_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                    policy=kernels)
+        ranks = start_ranks(tensor_parallel, device, load, dict(engine_args))
+        try:
+            target, drafter, tokenizer, stops = load_pair(**load, device="cuda:0" if device.type == "cuda" else device,
+                                                          shard=ranks.shard)
+            engine_args.setdefault("stop_token_ids", stops)
+            engine = cls(target, drafter, tokenizer, relay=ranks.relay, **engine_args)
+        except BaseException:
+            ranks.release()
+            raise
+        engine.ranks = ranks
+        return engine
+
+    def close(self) -> None:
+        """Release a tensor-parallel engine's other ranks (nothing to do in one process); the
+        engine runs no step after."""
+        if self.ranks is not None:
+            self.drain()
+            self.ranks.release()
 
     def measure_round_costs(self, max_requests: int | None = None, **options) -> RoundCosts:
         """Measure what the cost table lacks for batches of up to max_requests (default max_batch)
@@ -224,7 +255,7 @@ class Engine(OfflineGeneration):
     def _release(self, request: Request) -> None:
         self._running.pop(request.slot)
         self.blocks.free(request.slot)
-        self.state.vacate(request.slot)
+        self.worker.vacate(request.slot)
         request.slot = None
 
     @property
@@ -288,8 +319,8 @@ class Engine(OfflineGeneration):
             request.slot = free_slots.pop(0)
             self.blocks.admit(request.slot, request.worst_rows(), request.id)
             p = request.params
-            self.state.occupy(request.slot, SlotSettings(request.node_limit, request.mode == "chain", p.temperature,
-                                                         p.top_k, p.top_p, p.seed, p.max_new_tokens))
+            self.worker.occupy(request.slot, SlotSettings(request.node_limit, request.mode == "chain", p.temperature,
+                                                          p.top_k, p.top_p, p.seed, p.max_new_tokens))
             self._running[request.slot] = request
             new.append(request)
         if not new:
@@ -297,11 +328,10 @@ class Engine(OfflineGeneration):
         for request in new:
             request.started = time.perf_counter()
         self.blocks.reserve([(r.slot, len(r.prompt_ids), r.id) for r in new])
-        self.state.block_table.copy_(self._pinned(self.blocks.table), non_blocking=True)
         sampled, filtered = generation_params([r.params for r in new])
         self.timer.start()
-        first = prefill(self.ctx, self.state, [r.slot for r in new], [r.prompt_ids for r in new], self.prefill_chunk,
-                        any_sampled=sampled, any_filtered=filtered).tolist()
+        first = self.worker.prefill(self.blocks.table, [r.slot for r in new], [r.prompt_ids for r in new], sampled,
+                                    filtered).tolist()
         self.timer.mark("prefill")
         seconds = self.timer.seconds().get("prefill", 0.0)
         outputs = []
@@ -319,17 +349,10 @@ class Engine(OfflineGeneration):
         plan = batch_requests(requests, self.limits, self.sizer, behind)
         self.blocks.reserve([(r.slot, min(r.worst_rows(), r.prefix_len + behind + r.node_limit + 1), r.id)
                              for r in requests])
-        self.state.block_table[: plan.bucket].copy_(self._pinned(self.blocks.table[: plan.bucket]), non_blocking=True)
         timer = StageTimer(self.device, self.time_stages)
         timer.start()
-        result = (self.graphs.run(plan, timer) if self.graphs is not None
-                  else run_round(self.ctx, self.state, plan, self.max_depth, timer))
+        result = self.worker.round(self.blocks.table[: plan.bucket], plan, timer)
         return launch_copy(result, requests, plan, timer)
-
-    def _pinned(self, table: torch.Tensor) -> torch.Tensor:
-        """On CUDA a page-locked snapshot of a host table (the host may change it afterwards;
-        a copy from pageable memory would wait for the stream)."""
-        return table.pin_memory() if self.device.type == "cuda" else table
 
     def _collect(self, flight: Flight) -> list[StepOutput]:
         """Commit what a launched round committed, for its requests still running."""

@@ -8,17 +8,19 @@ from pathlib import Path
 import torch
 
 from ..ops.policy import KernelPolicy
+from ..parallel.shard import SINGLE, Shard
 
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, device=None, dtype: torch.dtype | None = None,
-              trust_remote_code: bool = False, policy: KernelPolicy = KernelPolicy()):
+              trust_remote_code: bool = False, policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE):
     """(target, drafter or None, tokenizer or None, stop token ids) from Hugging Face directories.
     device defaults to CUDA when present; dtype to bf16 on CUDA, float32 on the CPU; policy: both
-    models' kernel policy (ops/policy.py)."""
+    models' kernel policy (ops/policy.py); shard: the part of the target this process holds
+    (parallel/shard.py; the drafter is whole on every rank)."""
     from ..models import load_drafter, load_target
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    target = load_target(target_dir, dtype=dtype, device=device, policy=policy)
+    target = load_target(target_dir, dtype=dtype, device=device, policy=policy, shard=shard)
     drafter = load_drafter(drafter_dir, target, policy=policy) if drafter_dir is not None else None
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     return target, drafter, tokenizer, stop_token_ids(target_dir, tokenizer)

@@ -54,4 +54,14 @@ class Shard:
         return torch.cat(parts, dim=-1)
 
 
+    def agree(self, value: int) -> int:
+        """The least of every rank's `value` (what all of them can do, e.g. KV pages that fit)."""
+        if self.world == 1:
+            return value
+        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
 SINGLE = Shard()

@@ -1,0 +1,99 @@
+"""Starting a tensor-parallel engine's ranks: one process per GPU (rank r on cuda:r, NCCL), or
+gloo processes on the CPU. The calling process is rank 0 and keeps the whole engine; ranks
+1 .. N - 1 are started here, load their shards of the models, build an engine of the same shape
+and follow rank 0's device calls (parallel/relay.py) until it releases them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .relay import Relay, follow
+from .shard import Shard
+
+TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails every other rank's call after this
+
+
+@dataclass
+class Ranks:
+    """Rank 0's handle on the others: the relay that drives them and their processes."""
+
+    shard: Shard
+    relay: Relay
+    processes: object = None
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        """Stop the followers and wait for them to exit (idempotent)."""
+        if self.released:
+            return
+        self.released = True
+        try:
+            self.relay.close()
+        except RuntimeError:
+            pass  # a rank already gone: the others' calls fail on their own within TIMEOUT
+        finally:
+            if self.processes is not None:
+                try:
+                    self.processes.join(timeout=60)
+                except mp.ProcessExitedException:
+                    pass  # a follower that died: its error was the engine's error
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _join(rank: int, world: int, address: str, backend: str) -> tuple[Shard, object]:
+    """Join the process group; returns (this rank's Shard, the gloo group that carries the relay)."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world, timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else dist.group.WORLD
+    return Shard(rank, world, dist.group.WORLD), control
+
+
+def _follower(index: int, world: int, address: str, backend: str, load: dict, engine_args: dict) -> None:
+    from ..engine import Engine
+    from ..engine.loading import load_pair
+
+    rank = index + 1
+    shard, control = _join(rank, world, address, backend)
+    try:
+        device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+        target, drafter, tokenizer, stops = load_pair(**load, device=device, shard=shard)
+        engine = Engine(target, drafter, tokenizer, **{**engine_args, "round_costs": None})
+        follow(engine.worker, control)
+    finally:
+        dist.destroy_process_group()
+
+
+def start_ranks(world: int, device: torch.device, load: dict, engine_args: dict) -> Ranks:
+    """Start ranks 1 .. world - 1 (their models from `load`, load_pair's arguments but the device;
+    their engines from `engine_args`) and join them as rank 0. On CUDA: NCCL, rank r on cuda:r
+    (there must be `world` GPUs); on the CPU: gloo."""
+    if world < 2:
+        raise ValueError(f"tensor_parallel must be >= 2 to start ranks, got {world}")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: one parallel engine per process")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise ValueError(f"tensor_parallel={world} needs {world} GPUs; this machine has {torch.cuda.device_count()}")
+    address = _free_address()
+    processes = mp.start_processes(_follower, args=(world, address, backend, load, engine_args), nprocs=world - 1,
+                                   join=False, start_method="spawn")
+    shard, control = _join(0, world, address, backend)
+    ranks = Ranks(shard, Relay(control), processes)
+    atexit.register(ranks.release)  # an engine never closed still releases its ranks when the process ends
+    return ranks

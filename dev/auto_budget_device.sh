@@ -3,6 +3,7 @@
 #   dev/auto_budget_device.sh OUT suite ops int4moe tests tiny demo moonlight kimi steps sync
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
+# Pass DDTREE_COMMIT=<this checkout's commit> in the device command: the device's copy of .git can be stale.
 # Each part's files land under OUT (the device tool brings back 8 files at most: pick parts to fit).
 set -uo pipefail
 out=$1

@@ -99,3 +99,29 @@ def test_bad_int4_experts_are_refused(kernel_device):
         fused_moe(x, gate_up, PackedInt4(down.packed, down.scale[..., :1].contiguous(), 8), weights, ids)
     with pytest.raises(ValueError, match="hidden=40"):
         fused_moe(torch.zeros(2, 40, device=kernel_device), gate_up, down, weights, ids)
+
+
+def test_every_pointer_the_shared_branch_compiles_has_the_activations_dtype(kernel_device, monkeypatch):
+    """Without shared experts the kernels' shared branch never runs, but a GPU compiles it: its weight
+    pointers must be of the activations' dtype (the packed int32 experts there do not compile)."""
+    import ddtree.ops.moe as moe
+
+    seen = {}
+
+    class Recording:
+        def __init__(self, kernel, names):
+            self.kernel, self.names = kernel, names
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                for name in self.names:
+                    seen[name] = args[self.kernel.arg_names.index(name)].dtype
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(moe, "gate_up_kernel", Recording(moe.gate_up_kernel, ("shared_gate_ptr", "shared_up_ptr")))
+    monkeypatch.setattr(moe, "down_kernel", Recording(moe.down_kernel, ("shared_down_ptr",)))
+    case = Case(2, 2, 4, 32, 16, seed=5)
+    x, gate_up, down, weights, ids = int4_experts(case, torch.float32, kernel_device)
+    fused_moe(x, gate_up, down, weights, ids)
+    assert seen == {"shared_gate_ptr": x.dtype, "shared_up_ptr": x.dtype, "shared_down_ptr": x.dtype}

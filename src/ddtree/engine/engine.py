@@ -331,8 +331,9 @@ class Engine(OfflineGeneration):
         sampled, filtered = generation_params([r.params for r in new])
         self.timer.start()
         first = self.worker.prefill(self.blocks.table, [r.slot for r in new], [r.prompt_ids for r in new], sampled,
-                                    filtered).tolist()
-        self.timer.mark("prefill")
+                                    filtered)
+        self.timer.mark("prefill")  # recorded before the copy below waits, so complete once it has
+        first = first.tolist()
         seconds = self.timer.seconds().get("prefill", 0.0)
         outputs = []
         for request, token in zip(new, first):

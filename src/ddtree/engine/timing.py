@@ -39,6 +39,8 @@ class StageTimer:
     def seconds(self) -> dict[str, float]:
         """Seconds per stage since start(); call after the work has completed (synchronized)."""
         out: dict[str, float] = {}
+        if self.cuda and self._marks:
+            self._marks[-1][1].synchronize()  # an event recorded after the last wait may still be queued
         for (_, before), (stage, after) in zip(self._marks, self._marks[1:]):
             spent = before.elapsed_time(after) / 1e3 if self.cuda else after - before
             out[stage] = out.get(stage, 0.0) + spent

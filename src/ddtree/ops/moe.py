@@ -256,7 +256,8 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
     # per weight: (the routed weight, its scale, stride per expert, per row, and the scale's two)
     up_w, down_w = ((w.packed, w.scale, *w.packed.stride()[:2], *w.scale.stride()[:2]) if int4
                     else (w, w, *w.stride()[:2], 0, 0) for w in (w_gate_up, w_down))
-    gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (up_w[0],) * 3
+    # without shared experts their branch never runs, but it compiles: a stand-in of the activations' dtype
+    gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
     flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
                  **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)

@@ -25,7 +25,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
                    not_divisible: tuple[str, ...] = ()) -> dict:
     """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n,
     "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait,
-    "waits_first": the first wait comes before any global memory access} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
+    "waits_first": the first wait comes before any global memory access, "word_vector_copies": n} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
     Triton types ("*bf16", "fp32"); not_divisible: more arguments not specialized as 16-divisible.
     A kernel with a PDL constexpr is compiled with it on, as an H200 launches it (ops/launch.py)."""
     if "PDL" in fn.arg_names:
@@ -48,6 +48,9 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         "spill_bytes": asm["spill_bytes"],
         "mma": len(re.findall(r"\bHG?MMA\.", asm["sass"])),
         "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
+        # INT4 words copied 16 bytes at a time (4 adjacent int32 per copy)
+        "word_vector_copies": len(re.findall(r"async_copy_global_to_local.*\{contiguity = (?:4|8) : i32\} : "
+                                             r"tensor<[0-9x]+!tt\.ptr<i32>", compiled.asm["ttgir"])),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
         "waits_first": waits_before_memory(compiled.asm["ptx"]),
@@ -59,7 +62,7 @@ def all_reports() -> dict[str, dict]:
     alignment, and with INT4 experts in groups of 32); the alignment at 64 tokens x 8 of 384 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
-                 DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32)
+                 DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False)
     index = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32")
     gemm = dict(num_warps=fused_moe.NUM_WARPS, num_stages=fused_moe.NUM_STAGES)
     gate_up_pointers = dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, shared_gate_ptr=dtype, shared_up_ptr=dtype,
@@ -68,7 +71,7 @@ def all_reports() -> dict[str, dict]:
                          scale_ptr=dtype, **index)
     direct = dict(tiles, DIRECT=True)
     tiles = dict(tiles, DIRECT=False)
-    int4 = dict(tiles, W4=True)
+    int4 = dict(tiles, W4=True, EVEN_K=True)  # Kimi K2.6's hidden and inter are multiples of BLOCK_K
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
                                 dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),

@@ -26,8 +26,9 @@ def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
         report = reports[name]
         assert report["mma"] > 0, (name, report)
         assert report["shared"] <= 232448, (name, report)  # the sm_90 opt-in limit per block (227 KB)
-        if not name.endswith("int4"):  # INT4 tiles are unpacked in registers between the load and the MMA
-            assert report["async_copies"] > 0, (name, report)  # loads of the next K step overlap the MMAs
+        assert report["async_copies"] > 0, (name, report)  # loads of the next K step overlap the MMAs
+        if name.endswith("int4"):  # each row's packed words read as 16-byte vectors
+            assert report["word_vector_copies"] > 0, (name, report)
 
 
 def test_every_kernel_waits_for_its_producer_first(reports):

@@ -55,7 +55,9 @@ def dense(w: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_int4(w, dtype).transpose(1, 2).contiguous()
 
 
-CASES = [Case(1, 3, 7, 48, 32, seed=11), Case(5, 2, 4, 64, 24, seed=12), Case(24, 4, 6, 32, 40, route="all", seed=13)]
+# widths not a multiple of the K tile (masked words), and multiples of it (EVEN_K: unmasked 16-byte loads)
+CASES = [Case(1, 3, 7, 48, 32, seed=11), Case(5, 2, 4, 64, 24, seed=12), Case(24, 4, 6, 32, 40, route="all", seed=13),
+         Case(3, 2, 4, 128, 128, seed=14)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c.tokens}")

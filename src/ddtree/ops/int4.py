@@ -41,6 +41,8 @@ class PackedInt4:
         want_scale = (*lead, out, in_ // g) if g and in_ % g == 0 else None
         if in_ % VALUES_PER_WORD or want_scale is None:
             raise ValueError(f"{name}: {in_} input columns must be a multiple of 8 and of group_size={g}")
+        if g % VALUES_PER_WORD:  # the kernels read one scale per packed word
+            raise ValueError(f"{name}: group_size={g} must be a multiple of 8")
         if self.packed.dtype != torch.int32 or tuple(self.packed.shape) != want_packed:
             raise ValueError(f"{name}.packed must be int32 {list(want_packed)}, got {self.packed.dtype} "
                              f"{list(self.packed.shape)}")

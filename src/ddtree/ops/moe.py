@@ -259,6 +259,7 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
     # without shared experts their branch never runs, but it compiles: a stand-in of the activations' dtype
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
     flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
+                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0,
                  **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](

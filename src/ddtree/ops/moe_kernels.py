@@ -42,31 +42,42 @@ def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
 
 
 @triton.jit
-def _int4_tile(packed_ptr, scale_ptr, offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP: tl.constexpr, DTYPE):
-    """W[k, n] for input columns k [BLOCK_K] and output rows offs_n [BLOCK_N] of one expert's INT4
-    weight (pointers at its [out, in / 8] words and [out, in / GROUP] scales), in DTYPE."""
-    mask = k_ok[:, None] & col_ok[None, :]
-    words = tl.load(packed_ptr + offs_n[None, :].to(tl.int64) * stride_pn + (k // 8)[:, None], mask=mask, other=0)
-    q = ((words >> ((k % 8) * 4)[:, None]) & 0xF) - 8
-    scale = tl.load(scale_ptr + offs_n[None, :].to(tl.int64) * stride_sn + (k // GROUP)[:, None], mask=mask, other=0.0)
-    return (q.to(tl.float32) * scale.to(tl.float32)).to(DTYPE)  # rounded to nearest, as torch rounds
+def _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE):
+    """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
+    (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE.
+    Each row's BLOCK_K / 8 words are adjacent in memory and read once, with one scale per word
+    (GROUP is a multiple of 8, so a word's 8 columns share their group). EVEN_K: depth is a multiple
+    of BLOCK_K, so no column is masked and the words load as 16-byte vectors."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
+    if EVEN_K:
+        mask = tl.broadcast_to(col_ok[:, None], (BLOCK_N, WORDS))
+    else:
+        mask = col_ok[:, None] & (word * 8 < depth)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)  # [BLOCK_N, WORDS]
+    scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
+    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
+    w = (q.to(tl.float32) * scale.to(tl.float32)[:, :, None]).to(DTYPE)  # rounded to nearest, as torch rounds
+    return tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
 
 
 @triton.jit
 def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < hidden
-        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        gate = _int4_tile(packed_ptr, scale_ptr, offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP, dtype)
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + offs_k < hidden)[None, :], other=0.0)
+        gate = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype)
         acc_gate = dot(a, gate, acc_gate, DOT_F32, PRECISION)
-        up = _int4_tile(packed_ptr, scale_ptr, inter + offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP, dtype)
+        up = _int4_tile(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+                        BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype)
         acc_up = dot(a, up, acc_up, DOT_F32, PRECISION)
         x_ptrs += BLOCK_K
     return acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -75,15 +86,14 @@ def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok
 @triton.jit
 def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """launch.matmul_tile with an INT4 expert weight [out, depth]; dtype: a's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
-        k = k0 + offs_k
-        k_ok = k < depth
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k, k_ok, col_ok, stride_pn, stride_sn, GROUP, dtype)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k < depth)[None, :], other=0.0)
+        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                       BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype)
         acc = dot(a, w, acc, DOT_F32, PRECISION)
         a_ptrs += BLOCK_K
     return acc
@@ -119,11 +129,11 @@ def gate_up_kernel(
     stride_xt, stride_we, stride_wk, stride_hp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    W4: tl.constexpr = False, GROUP: tl.constexpr = 32,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
     W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
-    row), scale_ptr its scales (stride_se, stride_sn)."""
+    row), scale_ptr its scales (stride_se, stride_sn); EVEN_K: hidden and inter are multiples of BLOCK_K."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,7 +149,7 @@ def gate_up_kernel(
                 e = expert.to(tl.int64)
                 h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
                                     col_ok, hidden, stride_wk, stride_sn, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, GROUP, DOT_F32, PRECISION)
+                                    BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION)
             else:
                 gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
@@ -164,7 +174,7 @@ def down_kernel(
     stride_hp, stride_we, stride_wk, stride_yp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    W4: tl.constexpr = False, GROUP: tl.constexpr = 32,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared.
     W4: w_ptr is the packed int32 [E, hidden, inter / 8], scale_ptr its scales (as gate_up_kernel)."""
@@ -183,7 +193,7 @@ def down_kernel(
                 e = expert.to(tl.int64)
                 acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,
                                       inter, stride_wk, stride_sn, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      GROUP, DOT_F32, PRECISION)
+                                      GROUP, EVEN_K, DOT_F32, PRECISION)
             else:
                 w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 acc = matmul_tile(h_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, row_ok, col_ok, inter,

@@ -11,21 +11,11 @@ pytest.importorskip("transformers")
 
 from ddtree import Engine  # noqa: E402
 
-from ..engine.pairs import drafter_config, prompts, save_drafter  # noqa: E402
-from ..models.checkpoints import save_tiny, save_tiny_int4, tiny_config  # noqa: E402
+from ..engine.pairs import prompts  # noqa: E402
 
 SETTINGS = dict(max_batch=4, page_size=8, max_model_len=96, num_pages=48, stop_token_ids=())
 RUNS = [("ar", 1, {}), ("chain", 1, {}), ("ddtree", 6, {}), ("ddtree", "auto", {}),
         ("ddtree", 6, dict(temperature=0.9, top_p=0.9, seed=7)), ("ddtree", "auto", dict(temperature=1.1, seed=3))]
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-engine")
-    save_tiny(root / "bf16", tiny_config())
-    save_tiny_int4(root / "int4", tiny_config())
-    save_drafter(root / "drafter", drafter_config(96, 4))
-    return root
 
 
 def flat_costs(engine: Engine):
@@ -44,12 +34,12 @@ def generate_all(engine: Engine) -> list:
 
 
 @pytest.mark.parametrize("experts", ["bf16", "int4"])
-def test_two_ranks_generate_what_one_process_generates(pairs, experts):
+def test_two_ranks_generate_what_one_process_generates(checkpoints, experts):
     args = dict(device="cpu", dtype=torch.float32, **SETTINGS)
-    one = Engine.from_pretrained(pairs / experts, pairs / "drafter", **args)
+    one = Engine.from_pretrained(checkpoints / experts, checkpoints / "drafter", **args)
     one.sizer.costs = flat_costs(one)
     want = generate_all(one)
-    engine = Engine.from_pretrained(pairs / experts, pairs / "drafter", tensor_parallel=2, **args)
+    engine = Engine.from_pretrained(checkpoints / experts, checkpoints / "drafter", tensor_parallel=2, **args)
     engine.sizer.costs = flat_costs(engine)  # the sizer runs on rank 0 alone; measuring is a plain step loop
     try:
         assert engine.target.embed_tokens.num_embeddings == 48 and engine.target.layers[1].mlp.local == slice(0, 4)
@@ -59,8 +49,8 @@ def test_two_ranks_generate_what_one_process_generates(pairs, experts):
     engine.close()  # twice: nothing more to release
 
 
-def test_a_dead_rank_fails_the_next_step(pairs):
-    engine = Engine.from_pretrained(pairs / "bf16", pairs / "drafter", tensor_parallel=2, device="cpu",
+def test_a_dead_rank_fails_the_next_step(checkpoints):
+    engine = Engine.from_pretrained(checkpoints / "bf16", checkpoints / "drafter", tensor_parallel=2, device="cpu",
                                     dtype=torch.float32, **SETTINGS)
     try:
         for process in engine.ranks.processes.processes:

@@ -14,8 +14,6 @@ from ddtree.models import load_drafter, load_target  # noqa: E402
 from ddtree.models.paged import PrefillMeta  # noqa: E402
 from ddtree.parallel.shard import SINGLE  # noqa: E402
 
-from ..engine.pairs import drafter_config, save_drafter  # noqa: E402
-from ..models.checkpoints import save_tiny, save_tiny_int4, tiny_config  # noqa: E402
 from ..models.test_fused_target import PAGE, chain_meta  # noqa: E402
 from .ranks import run_ranks  # noqa: E402
 
@@ -42,15 +40,6 @@ def forward_all(shard, target_dir, drafter_dir, out_path) -> None:
         torch.save(result, out_path)
     else:
         torch.save(result, out_path.with_name(f"rank{shard.rank}.pt"))
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    save_tiny(root / "bf16", tiny_config())
-    save_tiny_int4(root / "int4", tiny_config())
-    save_drafter(root / "drafter", drafter_config(96, 4))
-    return root
 
 
 @pytest.mark.parametrize("experts", ["bf16", "int4"])

@@ -296,9 +296,10 @@ class MoE(nn.Module):
         if self.policy.moe_fused(x.shape[0], ids.numel(), x.dtype, x, weights, *stored, *others, int4=self.int4 is not None):
             shared = self._shared_in_place()
             chunk = max(1, MAX_PAIRS // max(1, ids.shape[1]))  # tokens the expert alignment sorts at once
-            out = torch.cat([fused_moe(x[t : t + chunk], w_gate_up, w_down, weights[t : t + chunk], ids[t : t + chunk],
-                                       shared=shared, direct_max_tokens=self.policy.moe_direct_max_tokens,
-                                       pdl=self.policy.pdl) for t in range(0, x.shape[0], chunk)])
+            parts = [fused_moe(x[t : t + chunk], w_gate_up, w_down, weights[t : t + chunk], ids[t : t + chunk],
+                               shared=shared, direct_max_tokens=self.policy.moe_direct_max_tokens, pdl=self.policy.pdl)
+                     for t in range(0, x.shape[0], chunk)]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one chunk (any 16-bit call): no copy
         else:
             out = grouped_moe(x, w_gate_up, w_down, weights, ids)
         if self.shared_experts is not None and shared is None:

@@ -9,9 +9,9 @@ import torch
 from ddtree.engine.acceptance import AcceptanceLedger
 from ddtree.engine.costs import RoundCosts
 from ddtree.engine.sizing import PLAIN_BURST, TreeSizer, best_size
-from ddtree.tree import accept_paths, build_trees, first_nodes
+from ddtree.tree import accept_paths, build_trees
 
-from ..tree.helpers import make_draft
+from ..tree.helpers import first_nodes, make_draft
 
 SIZES = (1, 2, 4, 8, 16)
 DEPTH = 7

@@ -1,10 +1,12 @@
-"""Input makers for the tree tests: random and adversarial drafter log-probs."""
+"""Input makers for the tree tests: random and adversarial drafter log-probs; first_nodes, a
+tree cut short (what budget="auto" stands on: engine/acceptance.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from ddtree.tree import TREE_FIELDS, DraftTrees, topk_logprobs
+from ddtree.tree.types import visibility_words
 
 
 def make_logits(kind: str, batch: int, depth: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -74,3 +76,21 @@ def path_posterior(trees: DraftTrees, gen: torch.Generator, follow: float = 0.8)
                 pick = children[int(torch.randint(len(children), (), generator=gen))]
                 post[r, node] = tokens[r, pick - 1]
     return post
+
+
+def first_nodes(trees: DraftTrees, n: int) -> DraftTrees:
+    """The trees of budget `n` (1 <= n <= trees.budget): each tree's first n nodes, as contiguous
+    tensors of the sizes build_trees(..., n) returns. Nodes are numbered in pop order and a parent
+    precedes its child, so the first n + 1 visibility rows only set bits below n + 1."""
+    if not 1 <= n <= trees.budget:
+        raise ValueError(f"n must be in [1, {trees.budget}], got {n}")
+    if n == trees.budget:
+        return trees
+    return DraftTrees(
+        tokens=trees.tokens[:, :n].contiguous(),
+        parents=trees.parents[:, :n].contiguous(),
+        depths=trees.depths[:, :n].contiguous(),
+        num_nodes=trees.num_nodes.clamp_max(n),
+        visibility=trees.visibility[:, : n + 1, : visibility_words(n)].contiguous(),
+        max_depth=trees.max_depth,
+    )

@@ -4,9 +4,9 @@ budget="auto" stands on, engine/acceptance.py)."""
 import pytest
 import torch
 
-from ddtree.tree import build_trees, first_nodes
+from ddtree.tree import build_trees
 
-from .helpers import assert_trees_equal, make_draft, with_zero_probability
+from .helpers import assert_trees_equal, first_nodes, make_draft, with_zero_probability
 
 
 @pytest.mark.parametrize("kind", ["normal", "bf16", "integer", "peaked"])

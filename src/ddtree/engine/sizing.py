@@ -31,6 +31,7 @@ import numpy as np
 
 from .acceptance import AcceptanceLedger
 from .costs import RoundCosts, StepCorrection, check_signature
+from .round import result_width
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
@@ -213,7 +214,7 @@ class TreeSizer:
             return
         rows = result[slots]
         rows = rows[rows[:, 0] >= 1]  # a slot out of tokens sat the round out
-        start = 2 + self.max_depth + (moe_layers if plan.experts else 0)
+        start = result_width(self.max_depth, moe_layers if plan.experts else 0)  # the paths' columns follow
         self.state.ledger.observe(rows[:, start : start + self.max_depth + 1], rows[:, 0], plan.budget)
 
     def _measured_bucket(self, bucket: int) -> int:

@@ -35,6 +35,15 @@ def expected_names(cfg: TargetConfig, experts: range | None = None) -> set[str]:
             for e in experts for p in PROJECTIONS for kind in stored_as(cfg)}
 
 
+def _layout(cfg: TargetConfig, proj: str) -> tuple[str, slice, tuple[int, int]]:
+    """(the MoE's stack that holds `proj`, its rows there (the last dimension of a 16-bit stack,
+    which is stored transposed), the Linear's (out, in))."""
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    if proj == "down_proj":
+        return "w_down", slice(0, h), (h, inter)
+    return "w_gate_up", slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter), (inter, h)
+
+
 def place(moe: MoE, cfg: TargetConfig, name: str, match: re.Match, tensor: torch.Tensor) -> None:
     """Copy checkpoint tensor `name` (matched by EXPERT_TENSOR) into `moe` (which holds the experts
     moe.local of them); raises naming it."""
@@ -48,24 +57,20 @@ def place(moe: MoE, cfg: TargetConfig, name: str, match: re.Match, tensor: torch
         how = "16-bit" if cfg.int4_experts is None else f"INT4 (group {cfg.int4_experts.group_size})"
         raise ValueError(f"checkpoint tensor {name}: config.json's quantization_config says the routed experts are "
                          f"{how}, which stores no {kind}")
-    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-    out, in_ = (h, inter) if proj == "down_proj" else (inter, h)
+    stack, rows, (out, in_) = _layout(cfg, proj)
     if kind == "weight_shape":
         if tensor.tolist() != [out, in_]:
             raise ValueError(f"checkpoint tensor {name} says the weight is {tensor.tolist()}, expected {[out, in_]}")
         return
     if kind == "weight":
         _check_shape(name, tensor, (out, in_))
-        target = {"gate_proj": moe.w_gate_up.data[e, :, :inter], "up_proj": moe.w_gate_up.data[e, :, inter:],
-                  "down_proj": moe.w_down.data[e]}[proj]
-        target.copy_(tensor.T)
+        getattr(moe, stack).data[e][:, rows].copy_(tensor.T)
         return
     part = "packed" if kind == "weight_packed" else "scale"
     if part == "packed" and tensor.dtype != torch.int32:
         raise ValueError(f"checkpoint tensor {name} is {tensor.dtype}, expected int32 (packed INT4)")
     _check_shape(name, tensor, (out, in_ // 8 if part == "packed" else in_ // cfg.int4_experts.group_size))
-    stack = getattr(moe, ("w_down_" if proj == "down_proj" else "w_gate_up_") + part).data[e]
-    stack[{"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(0, h)}[proj]].copy_(tensor)
+    getattr(moe, f"{stack}_{part}").data[e, rows].copy_(tensor)
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, int]) -> None:
@@ -76,19 +81,14 @@ def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, int]) -> Non
 def checkpoint_tensors_of(moe: MoE, layer: int, cfg: TargetConfig) -> dict[str, torch.Tensor]:
     """The routed experts of `moe` (layer `layer`) under their checkpoint names: the inverse of place."""
     out = {}
-    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     for e in range(cfg.n_routed_experts):
-        prefix = f"model.layers.{layer}.mlp.experts.{e}."
-        if cfg.int4_experts is None:
-            w_gate_up, w_down = moe.w_gate_up[e].detach(), moe.w_down[e].detach()
-            out[prefix + "gate_proj.weight"] = w_gate_up[:, :inter].T
-            out[prefix + "up_proj.weight"] = w_gate_up[:, inter:].T
-            out[prefix + "down_proj.weight"] = w_down.T
-            continue
-        for proj, stack, rows, shape in (("gate_proj", "w_gate_up", slice(0, inter), (inter, h)),
-                                         ("up_proj", "w_gate_up", slice(inter, 2 * inter), (inter, h)),
-                                         ("down_proj", "w_down", slice(0, h), (h, inter))):
-            out[prefix + proj + ".weight_packed"] = getattr(moe, stack + "_packed")[e, rows].detach()
-            out[prefix + proj + ".weight_scale"] = getattr(moe, stack + "_scale")[e, rows].detach()
-            out[prefix + proj + ".weight_shape"] = torch.tensor(shape)
+        for proj in PROJECTIONS:
+            name = f"model.layers.{layer}.mlp.experts.{e}.{proj}."
+            stack, rows, shape = _layout(cfg, proj)
+            if cfg.int4_experts is None:
+                out[name + "weight"] = getattr(moe, stack)[e].detach()[:, rows].T
+                continue
+            out[name + "weight_packed"] = getattr(moe, stack + "_packed")[e, rows].detach()
+            out[name + "weight_scale"] = getattr(moe, stack + "_scale")[e, rows].detach()
+            out[name + "weight_shape"] = torch.tensor(shape)
     return out

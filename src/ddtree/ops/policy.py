@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .gemm import MAX_ROWS
+from .launch import DTYPES
 from .moe_align import MAX_PAIRS
 
 PATHS = ("auto", "kernels", "reference")
@@ -69,8 +70,6 @@ class KernelPolicy:
         the fused kernels (ops/moe.py) rather than the grouped GEMMs. INT4 experts take them at any
         size ("auto": on CUDA; the layer feeds them in chunks), since their grouped reference
         dequantizes every chosen expert."""
-        from .launch import DTYPES
-
         chosen = self.kernel("MoE", *tensors)
         if self.automatic:
             fits = int4 or (tokens <= self.moe_fused_max_tokens and pairs <= MAX_PAIRS)

@@ -53,7 +53,6 @@ class Shard:
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
-
     def agree(self, value: int) -> int:
         """The least of every rank's `value` (what all of them can do, e.g. KV pages that fit)."""
         if self.world == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -15,7 +16,8 @@ from typing import Callable
 
 import torch
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 
 def environment() -> dict:
@@ -37,16 +39,42 @@ def environment() -> dict:
     }
 
 
+STAMP = ROOT / ".provenance.json"  # written by dev/stamp.py for a machine whose checkout has no usable .git
+CODE = ("src", "benchmarks", "dev")  # the folders whose Python code a result depends on (with pyproject.toml)
+
+
+def code_digest(root: Path | None = None) -> str:
+    """sha256 over the Python files under CODE and pyproject.toml, by path and content: equal on
+    two machines exactly when they run the same code."""
+    root, digest = root or ROOT, hashlib.sha256()
+    files = [root / "pyproject.toml"] + sorted(p for d in CODE for p in (root / d).rglob("*.py"))
+    for path in files:
+        if path.is_file():
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def commit() -> str:
-    """The code's commit: $DDTREE_COMMIT (set where the checkout has no .git, as on the device
-    machine), else git's HEAD with "+changes" when the tree differs from it, else "unknown"."""
+    """The code's commit, "<hash>" or "<hash>+changes" (the tree differed from it): $DDTREE_COMMIT
+    if set; else the stamp dev/stamp.py wrote, when the code is still what it stamped (a stale
+    stamp is an error, never a wrong label); else git's HEAD; else "unknown"."""
     if os.environ.get("DDTREE_COMMIT"):
         return os.environ["DDTREE_COMMIT"]
-    root = Path(__file__).resolve().parents[1]
+    if STAMP.is_file():
+        stamp = json.loads(STAMP.read_text())
+        if stamp.get("digest") != code_digest():
+            raise RuntimeError(f"{STAMP} describes other code than this checkout's: run dev/stamp.py again "
+                               f"(or delete it)")
+        return stamp["commit"]
+    return git_commit()
+
+
+def git_commit() -> str:
+    """git's short HEAD, with "+changes" when tracked files differ from it; "unknown" without git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -117,6 +145,9 @@ def measure_ceilings() -> dict:
 def write_results(name: str, payload: dict, table_md: str, out_dir: Path | None = None) -> Path:
     """Write <name>-<gpu>.json and .md (provenance header + table) under out_dir; <gpu> is the
     environment's GPU name as a slug (e.g. nvidia-h200), so runs on different devices coexist."""
+    if payload["environment"].get("commit", "unknown") == "unknown":
+        raise RuntimeError("no commit to record with the results: run from a git checkout, set $DDTREE_COMMIT, "
+                           "or stamp the checkout with dev/stamp.py before sending it to another machine")
     out_dir = Path(out_dir) if out_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"{name}-{re.sub(r'[^a-z0-9]+', '-', payload['environment']['gpu'].lower()).strip('-')}"

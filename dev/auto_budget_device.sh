@@ -3,25 +3,33 @@
 #   dev/auto_budget_device.sh OUT suite ops int4moe tests tiny demo moonlight kimi steps sync
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
-# Pass DDTREE_COMMIT=<this checkout's commit> in the device command: the device's copy of .git can be stale.
+# The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
+# DDTREE_COMMIT=<commit> in the device command); the device's copy of .git can be stale.
 # Each part's files land under OUT (the device tool brings back 8 files at most: pick parts to fit).
 set -uo pipefail
 out=$1
 shift
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+label=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.commit())") || exit 1
+[ -n "${DDTREE_COMMIT:-}" ] || [ -f .provenance.json ] || { echo "no provenance: run dev/stamp.py and carry .provenance.json" >&2; exit 1; }
+echo "commit $label"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 for part in "$@"; do
   start=$(date +%s)
   case $part in
     tests) timeout 420 python3 -m pytest -q -p no:cacheprovider -m cuda -n 4 tests/engine tests/benchmarks 2>&1 \
              | tee "$out/cuda_tests.log" | tail -15 ;;
-    suite) timeout "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider -m cuda -n "${WORKERS:-8}" \
-             --timeout "${TEST_S:-200}" --durations=0 -rfE tests > "$out/cuda_suite.log" 2>&1
-           echo "suite rc $?"; grep -E "passed|failed|Timeout|^[0-9.]+s (call|setup)" "$out/cuda_suite.log" | head -40 ;;
+    suite) { echo "# commit $label; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); $(date -u +%FT%TZ)"
+             echo "# pytest -m cuda -n ${WORKERS:-8} --timeout ${TEST_S:-200} --durations=0 -rA tests"
+             timeout "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider -m cuda -n "${WORKERS:-8}" \
+               --timeout "${TEST_S:-200}" --durations=0 -rA tests; } > "$out/cuda_suite.log" 2>&1
+           echo "suite rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$out/cuda_suite.log" | head -40 ;;
     ops) timeout "${OPS_S:-120}" python3 -m pytest -q -p no:cacheprovider -n 4 tests/ops/test_int4.py tests/ops/test_moe.py \
            tests/ops/test_moe_decode.py 2>&1 | tee "$out/ops.log" | tail -6 ;;
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
                --tiles auto --out "$out" 2>&1 | tail -12 ;;
+    moebf16) timeout "${MOE_S:-200}" python3 benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 \
+               --tokens ${MOE_TOKENS:-65 256 544 1024} --tiles auto --out "$out/bf16" 2>&1 | tail -12 ;;
     tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \
             --out-dir /tmp/tiny 2>&1 | grep -A3 "Bars\|^  " ;;
     demo) timeout "${DEMO_S:-420}" python3 benchmarks/auto_budget.py --pair demo --passes "${PASSES:-5}" --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;

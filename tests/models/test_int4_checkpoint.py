@@ -79,7 +79,13 @@ def test_the_int4_target_computes_what_its_dequantized_twin_computes(int4_dirs, 
         with torch.no_grad():
             outs.append(m.forward_paged(ids, meta, caches, hidden_layers=(1,)))
     (logits, hidden), (want, want_hidden) = outs
-    assert torch.equal(logits, want) and torch.equal(hidden[0], want_hidden[0])
+    if not kernels:
+        assert torch.equal(logits, want) and torch.equal(hidden[0], want_hidden[0])
+        return
+    # the fused 16-bit twin sums in its own tiles (another order than INT4_TILES): equal within
+    # float32's rounding here; bit for bit in the same tiles is tests/ops/test_int4.py's
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden[0], want_hidden[0], rtol=1e-5, atol=1e-5)
 
 
 def write(path, raw):

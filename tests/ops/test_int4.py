@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddtree.ops.int4 import PackedInt4, dequantize_int4, pack_int4, quantize_int4, unpack_int4
-from ddtree.ops.moe import Workspace, fused_moe, grouped_moe
+from ddtree.ops.moe import INT4_TILES, Workspace, fused_moe, grouped_moe
 
 from .test_moe import POISON_INT, TOL, Case, assert_close, make_inputs, make_shared, moe_reference
 
@@ -72,7 +72,9 @@ def test_int4_experts_equal_their_dequantized_twin(case, dtype, num_shared, kern
     for buf in (ws.h, ws.y):
         buf.fill_(float("nan"))
     got = fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws)
-    twin = fused_moe(x, dense(gate_up, dtype), dense(down, dtype), weights, ids, shared=shared)
+    block_n, block_k = INT4_TILES  # the twin multiplies in the INT4 path's tiles: the same sums, in order
+    twin = fused_moe(x, dense(gate_up, dtype), dense(down, dtype), weights, ids, shared=shared, block_n=block_n,
+                     block_k=block_k)
     if dtype == torch.bfloat16 and kernel_device != "cuda":
         # Triton 3.6's interpreter truncates float32 -> bf16 (rtne asked or not); a GPU rounds as torch does
         assert_close(got, twin, TOL[dtype])

@@ -44,6 +44,9 @@ BLOCK_N = 128
 BLOCK_K = 64
 NARROW_TILES = (64, 128)  # (BLOCK_N, BLOCK_K) when the gate_up launch would leave SMs idle
 MIN_PROGRAMS = 128
+# INT4 experts: the narrowest tile of a sweep at 1 and 9 rows (results/moe_paths-kimi-k2.6-int4-tiles-*):
+# their programs unpack words rather than wait on memory, so more of them must run at once.
+INT4_TILES = (32, 128)
 NUM_WARPS = 4
 NUM_STAGES = 3
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
@@ -198,7 +201,7 @@ def fused_moe(
     out:        optional x.dtype [T, hidden] contiguous buffer for the result.
     workspace:  optional Workspace.empty(T, k, E, hidden, inter, x.dtype, x.device, block_m, S).
     block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
-                block_m_for(T * k, E) and tiles_for(T * k + S * T, inter).
+                block_m_for(T * k, E) and tiles_for(T * k + S * T, inter) (INT4_TILES for INT4 experts).
     direct_max_tokens: up to this many tokens, no alignment (above); 0: always aligned.
     pdl:        programmatic dependent launch where the GPU has it (ops/launch.py).
     Returns out: x.dtype [T, hidden]; expert outputs (routed in choice order, then shared) are
@@ -209,7 +212,8 @@ def fused_moe(
     experts, _, inter = expert_shape(w_gate_up)
     if block_m is None:
         block_m = block_m_for(ids.numel(), experts)
-    wide_n, wide_k = tiles_for(ids.numel() + num_shared * tokens, inter)
+    wide_n, wide_k = INT4_TILES if isinstance(w_gate_up, PackedInt4) else tiles_for(ids.numel() + num_shared * tokens,
+                                                                                     inter)
     block_n = wide_n if block_n is None else block_n
     block_k = wide_k if block_k is None else block_k
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):

@@ -52,12 +52,16 @@ class AcceptanceLedger:
     def tokens(self, size: int) -> float:
         """Expected tokens a round of `size` nodes commits per request (size 0: a plain step, 1);
         KeyError for a size past the frontier (never verified)."""
-        if size > self.frontier:
-            raise KeyError(f"no round has verified {size} nodes yet (frontier {self.frontier})")
+        return float(self.tokens_of([size])[0])
+
+    def tokens_of(self, sizes: list[int]) -> np.ndarray:
+        """float64 [len(sizes)]: tokens(s) for each of `sizes` at once (the sizer's every round)."""
+        if max(sizes, default=0) > self.frontier:
+            raise KeyError(f"no round has verified {max(sizes)} nodes yet (frontier {self.frontier})")
         if self._cumulative is None:
             rates = np.divide(self.hits, self.seen, out=np.zeros_like(self.hits), where=self.seen > 0)
             self._cumulative = 1.0 + np.cumsum(rates)  # index n: 1 + rates of nodes 1 .. n (rates[0] = 0)
-        return float(self._cumulative[size])
+        return self._cumulative[sizes]
 
     def weight(self, size: int) -> float:
         """How many recent request-rounds (decayed) verified node `size`: how sure tokens(size) is."""

@@ -163,8 +163,9 @@ class TreeSizer:
             return top  # learn every size at once
         known = [s for s in candidates if s <= ledger.frontier]
         seconds = [table[candidates.index(s)] * state.correction.ratio(bucket, s) for s in known]
-        caps = [r.remaining_tokens() for r in auto]
-        tokens = [fixed_tokens + sum(min(ledger.tokens(s), cap) for cap in caps) for s in known]
+        caps = np.fromiter((r.remaining_tokens() for r in auto), np.float64, len(auto))
+        # a request commits at most what it has left: [requests, sizes] summed over requests
+        tokens = (fixed_tokens + np.minimum(ledger.tokens_of(known)[None, :], caps[:, None]).sum(0)).tolist()
         size = best_size(known, seconds, tokens)
         if size == 0:
             return self._plain_or_probe(bucket, known, seconds, tokens, caps)
@@ -186,10 +187,10 @@ class TreeSizer:
         return plain_rate >= 0.5 * best_rate and state.rounds - state.plain_tried.get(bucket, 0) >= every
 
     def _plain_or_probe(self, bucket: int, known: list[int], seconds: list[float], tokens: list[float],
-                        caps: list[int]) -> int:
+                        caps: np.ndarray) -> int:
         state = self.state
         state.plain_steps += 1
-        if state.plain_steps < state.wait or max(caps, default=0) <= 1:
+        if state.plain_steps < state.wait or caps.max(initial=0) <= 1:
             return 0  # a request about to end learns nothing it can use
         state.plain_steps, state.wait = 0, min(2 * state.wait, self.max_wait)
         trees = [i for i, s in enumerate(known) if s > 0]

@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +27,11 @@ if _workers > 1:
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+# Engines built by module-scoped fixtures (before the per-test folder below exists) keep their
+# round costs in a folder of this test session's, never the user's.
+os.environ["DDTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="ddtree-test-cache-")
+
+
 @pytest.fixture(autouse=True)
 def _own_cache_dir(tmp_path, monkeypatch):
     """Round-cost tables the commands keep (ddtree/cost_cache.py) go to a folder of the test's
@@ -43,6 +49,23 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def kernel_device() -> str:
     return KERNEL_DEVICE
+
+
+# A test's `device` parameter: CUDA (marked cuda) and the CPU with its kernels interpreted, which
+# runs only where there is no GPU (the interpreter is on only there).
+CUDA_AND_INTERPRETED = [
+    pytest.param("cuda", marks=pytest.mark.cuda),
+    pytest.param("cpu", marks=pytest.mark.skipif(HAS_CUDA, reason="runs the kernels interpreted: only without a GPU")),
+]
+
+
+def gpu_or_scaled(gpu: tuple, cpu: tuple, id: str):
+    """One case of a kernel test at two sizes: on a GPU the full-size arguments `gpu` (marked cuda,
+    so the GPU suite, `-m cuda`, runs it), on the CPU `cpu`, the same case scaled down to seconds
+    under the interpreter."""
+    if HAS_CUDA:
+        return pytest.param(*gpu, marks=pytest.mark.cuda, id=id)
+    return pytest.param(*cpu, id=id)
 
 
 def _attention_backends() -> list[str]:

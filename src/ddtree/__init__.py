@@ -2,6 +2,13 @@
 
 __version__ = "0.1.0"
 
-from .engine import Engine, SamplingParams  # noqa: E402
-
 __all__ = ["Engine", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Engine and SamplingParams import torch: `ddtree --version` and `--help` need neither
+    if name in ("Engine", "SamplingParams"):
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'ddtree' has no attribute {name!r}")

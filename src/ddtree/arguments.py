@@ -65,6 +65,30 @@ for _parse in (at_least_zero, probability):
 at_least_zero_int.__name__ = "int"
 
 
+class UsageError(Exception):
+    """A mistake in what the user asked, found after argument parsing: one line, exit 2."""
+
+
+MAX_SEED = 2**63 - 1
+
+
+def seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {text}")
+    return value
+
+
+def stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+seed.__name__ = "int"
+stop_string.__name__ = "str"
+
+
 def budget(text: str):
     """A --budget value: "auto" or a positive int."""
     if text == "auto":
@@ -129,18 +153,12 @@ def check_before_loading(args) -> str | None:
     a budget past --max-budget), as one line; None when nothing is."""
     device = args.device
     if device is not None:
-        import torch
+        from .engine.loading import resolve_device
 
         try:
-            parsed = torch.device(device)
-        except RuntimeError:
-            return f"--device {device}: not a device (cuda, cuda:N or cpu)"
-        if parsed.type not in ("cuda", "cpu"):
-            return f"--device {device}: ddtree runs on cuda or cpu"
-        if parsed.type == "cuda" and not torch.cuda.is_available():
-            return f"--device {device}: this torch has no CUDA device (torch {torch.__version__}); use --device cpu"
-        if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            return f"--device {device}: there are {torch.cuda.device_count()} CUDA devices"
+            resolve_device(device)
+        except ValueError as err:
+            return f"--{err}"  # "device 'x': ..." names the flag
     ranks = getattr(args, "tensor_parallel", 1)
     if ranks > 1:
         import torch
@@ -152,6 +170,8 @@ def check_before_loading(args) -> str | None:
         path = getattr(args, flag, None)
         if path is not None and not Path(path).is_dir():
             return f"--{flag} {path}: no such directory"
+        if path is not None and not (Path(path) / "config.json").is_file():
+            return f"--{flag} {path}: no config.json there (a Hugging Face model directory holds one)"
     budget_ = getattr(args, "budget", None)
     if isinstance(budget_, int) and budget_ > args.max_budget:
         return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"

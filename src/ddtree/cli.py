@@ -10,8 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from .arguments import (Parser, add_pair_arguments, at_least_zero, at_least_zero_int, budget, cache_line,
-                        check_before_loading, load_engine, positive, probability)
+from .arguments import (Parser, UsageError, add_pair_arguments, at_least_zero, at_least_zero_int, budget,
+                        cache_line, check_before_loading, load_engine, positive, probability, seed, stop_string)
 
 MEASURED_LENGTH = 1024  # what the round-cost stand-ins run in (engine/profiling.py: 256 + 657 tokens)
 STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")
@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddtree {__version__}")
     commands = parser.add_subparsers(dest="command", parser_class=Parser, metavar="{generate,serve,profile}")
     gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
-    gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer)")
+    gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer); - reads "
+                     "one prompt from standard input (its final newline dropped), or one per line with --lines")
+    gen.add_argument("--lines", action="store_true", help="with -: each non-empty line of standard input is a prompt")
     add_pair_arguments(gen, sized_to_prompts=True)
     gen.add_argument("--mode", choices=("ar", "chain", "ddtree"), default="ddtree",
                      help="ar: plain decoding; chain: DFlash's argmax chain; ddtree: a tree a round")
@@ -32,14 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tree nodes per round (ddtree), or auto: chosen each round by measured cost")
     gen.add_argument("--round-costs", default=None, help="a round-cost table from `ddtree profile` "
                      "(default: the one kept from an earlier run for this pair and device, else measured "
-                     "before the first round and kept; ddtree/cost_cache.py)")
+                     "before the first round and kept; engine/kept_costs.py)")
     gen.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
     gen.add_argument("--temperature", type=at_least_zero, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass, in (0, 1]")
     gen.add_argument("--top-k", type=at_least_zero_int, default=0, help="0: no top-k cut")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one, reported)")
+    gen.add_argument("--seed", type=seed, default=None, help="sampling seed (default: a fresh one, reported)")
     gen.add_argument("--max-new-tokens", type=positive(int), default=128, help="tokens to generate per prompt")
-    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--stop", type=stop_string, action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     from .profile_command import add_profile_command
     from .server.command import add_serve_command
@@ -50,14 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stats_line(out) -> str:
+def _stats_line(out, sampled: bool) -> str:
     s = out.stats
     stages = ", ".join(f"{name} {s.stage_seconds[name] * 1e3:.1f}" for name in STAGE_ORDER
                        if name != "round" or s.stage_seconds[name])  # round: graph replays, when on
     trees = sum(n > 0 for n in s.tree_sizes)
     sizes = f", tree rounds {trees} (mean size {sum(s.tree_sizes) / max(1, trees):.1f})" if s.rounds else ""
-    return (f"[{out.request_id}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.rounds} rounds{sizes}, "
-            f"mean acceptance length {s.mean_acceptance_length:.2f}, {s.tokens_per_s:.1f} tokens/s; "
+    seeded = f", seed {out.seed}" if sampled else ""  # the seed that replays it (--seed)
+    return (f"[{out.request_id}] {len(out.token_ids)} tokens, finish {out.finish_reason}{seeded}, {s.rounds} "
+            f"rounds{sizes}, mean acceptance length {s.mean_acceptance_length:.2f}, {s.tokens_per_s:.1f} tokens/s; "
             f"ms per stage: {stages}")
 
 
@@ -77,17 +80,17 @@ def generate(args) -> None:
     _log_engine_events()
 
     size_to_prompts(args)
-    engine = load_engine(args, round_costs=args.round_costs)
-    kept = None
-    if args.round_costs is None and args.mode == "ddtree" and args.budget == "auto":
-        from .cost_cache import load_cached_costs
-
-        kept = load_cached_costs(engine, fresh=args.fresh_costs)
+    engine = load_engine(args, round_costs=args.round_costs, kept_costs="fresh" if args.fresh_costs else "use")
     if engine.tokenizer is None:
         raise ValueError(f"{args.target or 'the demo pair'} has no tokenizer: text prompts cannot be encoded")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
-    ids = [engine.add_request(p, params, mode=args.mode, budget=args.budget) for p in args.prompts]
+    ids = []
+    for number, prompt in enumerate(args.prompts, 1):
+        try:
+            ids.append(engine.add_request(prompt, params, mode=args.mode, budget=args.budget))
+        except ValueError as err:  # too long for --max-model-len, say: the user's to fix
+            raise UsageError(f"prompt {number}: {err}") from None
     print(f"ddtree: {cache_line(engine)}", file=sys.stderr, flush=True)  # after the prompts passed their checks
     # All prompts run as one batch; the text streams in prompt order (later prompts are shown
     # from a buffer once the ones before them have finished).
@@ -110,14 +113,13 @@ def generate(args) -> None:
                 print(json.dumps(_record(out)), flush=True)
             else:
                 sys.stdout.write("\n")
-                print(_stats_line(out), file=sys.stderr, flush=True)
+                print(_stats_line(out, args.temperature > 0), file=sys.stderr, flush=True)
             shown += 1
             if shown < len(ids) and not args.json:
                 sys.stdout.write(args.prompts[shown])
 
     if not args.json:
         sys.stdout.write(args.prompts[0])
-    measured = None if kept is None or engine.sizer.costs is None else engine.sizer.costs.buckets()
     while engine.has_unfinished():
         for out in engine.step():
             buffered[out.request_id] += out.new_text or ""
@@ -125,10 +127,22 @@ def generate(args) -> None:
                 done.add(out.request_id)
         show()
     show()
-    if kept is not None and engine.sizer.costs is not None and engine.sizer.costs.buckets() != measured:
-        from .cost_cache import save_cached_costs
 
-        save_cached_costs(engine, kept)  # what this run measured, for the next one
+
+def read_prompts(args, stdin=None) -> None:
+    """Replace a "-" prompt by standard input: the whole text (less one final newline), or with
+    --lines each non-empty line; an error when it holds no prompt or --lines comes without -."""
+    if "-" not in args.prompts:
+        if args.lines:
+            raise UsageError("--lines reads prompts from standard input: give - as the prompt")
+        return
+    if args.prompts != ["-"]:
+        raise UsageError("- (standard input) must be the only prompt")
+    text = (stdin or sys.stdin).read()
+    prompts = [line for line in text.splitlines() if line.strip()] if args.lines else [text.removesuffix("\n")]
+    if not any(p.strip() for p in prompts):
+        raise UsageError("standard input held no prompt")
+    args.prompts = prompts
 
 
 def size_to_prompts(args) -> None:
@@ -174,11 +188,24 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to sys.stderr as it is at each record, not as it was when made."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def _log_engine_events() -> None:
-    """The engine's own progress lines (CUDA-graph captures) to stderr, beside the statistics."""
+    """The engine's own progress lines (round-cost measurement, CUDA-graph captures) to stderr,
+    beside the statistics."""
     log = logging.getLogger("ddtree.engine")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("ddtree: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -207,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     try:
         if args.command == "generate":
+            read_prompts(args)
             generate(args)
         elif args.command == "serve":
             from .server.command import serve
@@ -218,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             profile(args)
     except KeyboardInterrupt:
         return 130
+    except UsageError as err:  # the user's to fix, found past argument parsing: as argparse's own
+        sys.stderr.write(f"ddtree {args.command}: error: {err}\n")
+        return 2
     except (ValueError, OSError, NotImplementedError, RuntimeError, KeyError) as err:
         if os.environ.get("DDTREE_TRACEBACK"):
             raise

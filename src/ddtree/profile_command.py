@@ -21,7 +21,7 @@ def add_profile_command(commands):
 
 def profile(args) -> None:
     args.max_batch = args.max_batch or serving_batch(args.device)
-    engine = load_engine(args)
+    engine = load_engine(args, kept_costs="fresh")  # measured here, whatever was kept (and kept again)
     if engine.sizer is None:
         raise ValueError("profiling measures tree rounds: name a --drafter with --target")
     costs = engine.measure_round_costs(progress=True, prefix=args.prefix, repeats=args.repeats)

@@ -53,9 +53,18 @@ def test_every_cell_and_stage_has_a_time_and_a_floor(payload):
         assert scaled["measured_round_us"] > cell["eager"]["round"]["median"]
 
 
-def test_bars_are_finite_positive_ratios(payload):
+def test_bars_are_the_ratios_of_the_written_stage_times(payload):
+    """Each bar recomputed here from the cells' stage medians and floors (eager on the CPU: no
+    graph) equals the one written, so a bar built from the wrong cell or stage fails."""
     bars = payload["bars"]
     assert set(bars) == {"ar_step_b1_over_floor", "build_accept_commit_share_b8_budget64", "draft_share_b1_budget64"}
+    cells = {(c["B"], c["budget"]): c for c in payload["cells"]}
+    ar, b8, b1 = cells[1, 0], cells[8, 64]["eager"], cells[1, 64]["eager"]
+    want = {"ar_step_b1_over_floor": ar["eager"]["round"]["median"] / ar["floors"]["weight_read"]["floor_us"],
+            "build_accept_commit_share_b8_budget64":
+                (b8["build"]["median"] + b8["accept"]["median"] + b8["commit"]["median"]) / b8["round"]["median"],
+            "draft_share_b1_budget64": b1["draft"]["median"] / b1["round"]["median"]}
+    assert bars == pytest.approx(want, rel=1e-12)
     assert all(positive(v) for v in bars.values())
     assert bars["build_accept_commit_share_b8_budget64"] < 1 and bars["draft_share_b1_budget64"] < 1
 
@@ -73,6 +82,6 @@ def test_forced_acceptance_reproduces_ar_at_the_forced_length(payload):
             assert abs(r["mean_acceptance_length"] - r["L"]) <= 0.5, r
 
 
-def test_png_beside_the_json(payload):
-    pytest.importorskip("matplotlib")
-    assert Path(payload["args"]["out"]).joinpath("engine_round-tiny-2l-none-cpu.png").is_file()
+def test_png_beside_the_json(payload):  # the test extra brings matplotlib: a plot, always
+    png = Path(payload["args"]["out"]).joinpath("engine_round-tiny-2l-none-cpu.png")
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

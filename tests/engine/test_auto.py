@@ -173,19 +173,22 @@ def test_a_fixed_budget_above_the_largest_size_beside_auto(models):
 
 def test_round_costs_measure_what_fits_and_never_block_fixed_budgets(models):
     target, drafter_dir = models
-    short = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=4, max_model_len=60)
+    # each engine measures for itself here: none reads what another kept
+    short = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=4, max_model_len=60,
+                   kept_costs="off")
     batch = prompts(2, 12, seed=1, lengths=(3, 6))
     want = [o.token_ids for o in short.generate(batch, max_new_tokens=8, mode="ar")]
     assert [o.token_ids for o in short.generate(batch, max_new_tokens=8)] == want  # stand-ins shrunk to fit
     few_pages = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=4, max_model_len=256,
-                       num_pages=40)
+                       num_pages=40, kept_costs="off")
     batch = prompts(4, 12, seed=2, lengths=(3, 6))
     want = [o.token_ids for o in few_pages.generate(batch, max_new_tokens=8, mode="ar")]
     assert [o.token_ids for o in few_pages.generate(batch, max_new_tokens=8)] == want
     assert few_pages.sizer.costs.buckets() == [1] and few_pages.sizer.skipped == {2, 4}
     assert few_pages.blocks.num_free == 40 and not few_pages.has_unfinished()
     assert few_pages.sizer.unmeasured([1, 2, 4]) == []  # no second try at what cannot fit
-    tiny = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=2, num_pages=9)  # 72 slots
+    tiny = Engine(target, load_drafter(drafter_dir, target), page_size=8, max_batch=2, num_pages=9,
+                  kept_costs="off")  # 72 slots
     assert [len(o.token_ids) for o in tiny.generate([[1, 2]], max_new_tokens=2)] == [2]  # no table: smallest tree
     assert "cannot hold one stand-in" in tiny.sizer.failure
 
@@ -200,13 +203,21 @@ def test_the_drafter_context_has_room_for_set_aside_rows_at_the_end(tmp_path):
     engine.sizer.costs = RoundCosts(engine.signature, {})
     from ddtree import SamplingParams
 
-    engine.add_request(prompts(1, 96, seed=1, lengths=(3, 4))[0], SamplingParams(max_new_tokens=36))
-    steps = 0
+    prompt = prompts(1, 96, seed=1, lengths=(3, 4))[0]
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=36))
+    steps, capacity = 0, engine.state.drafter.keys[0].shape[1]
     while engine.has_unfinished():
         engine.sizer.forced = steps % 2
         engine.step()
         steps += 1
-    assert steps > 20
+        state = engine.state
+        if engine.has_unfinished():  # every committed row is in the drafter's context or set aside for it
+            assert int(state.drafter.lengths[0] + state.pending_rows[0]) == int(state.prefix_lens[0]) <= capacity
+    out = engine.take_result(rid)
+    assert steps > 20 and {0, 1} <= set(out.stats.tree_sizes)  # both kinds of round ran
+    assert len(out.token_ids) == 36 or out.finish_reason == "stop"
+    # greedy, float32: the alternating rounds commit ar's tokens, token for token
+    assert out.token_ids == engine.generate([prompt], max_new_tokens=36, mode="ar")[0].token_ids
 
 
 def test_generate_leaves_nothing_behind_when_a_step_fails(models, monkeypatch):

@@ -92,9 +92,14 @@ def test_abort_frees_slot_and_pages_at_once(engine):
 
 
 def test_more_requests_than_slots_wait_their_turn(engine):
-    outs = engine.generate([[i + 1, i + 2] for i in range(9)], max_new_tokens=6, mode="ddtree", budget=4)
+    prompts = [[i + 1, i + 2] for i in range(9)]  # 9 requests, 4 slots
+    outs = engine.generate(prompts, max_new_tokens=6, mode="ddtree", budget=4)
     assert len(outs) == 9 and all(1 <= len(o.token_ids) <= 6 for o in outs)
     assert engine.blocks.num_free == engine.blocks.num_pages
+    # greedy, float32: each request, whenever its slot came, has the tokens of its prompt run alone with ar
+    alone = [engine.generate([p], max_new_tokens=6, mode="ar")[0] for p in prompts]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
 
 
 def test_stats_count_experts_and_stages(engine):

@@ -1,7 +1,10 @@
 """The target's paged forward with the norm and MLA kernels forced on (the interpreter on the CPU)
-equals its PyTorch path: logits, captured hidden states and every cache entry written."""
+equals its PyTorch path: logits, captured hidden states and every cache entry written (bf16: as
+close to the exact result as the PyTorch path, within a measured factor)."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -10,14 +13,25 @@ import torch
 from ddtree.models import TargetConfig, random_target
 from ddtree.models import layers as joint
 from ddtree.models.layers import RMSNorm
-from ddtree.ops import KERNELS, REFERENCE, KernelPolicy
+from ddtree.ops import KERNELS, REFERENCE, KernelPolicy, apply_policy
 from ddtree.ops.gemm import MAX_ROWS
 from ddtree.models.paged import ForwardMeta
 from ddtree.models.target import MLA, Target
 from ddtree.tree import pack_visibility
 
 PAGE = 4
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=5e-2, atol=5e-2)}
+# bf16: the kernel path's error against the exact result (the same bf16 weights and cache computed
+# in float32, whose rounding is 2^-16 of bf16's) is held to a bound set by the PyTorch path's own
+# error against it: the RMS error to at most RMS_FACTOR x the PyTorch path's, the largest error to
+# MAX_FACTOR x the PyTorch path's largest or one bf16 ulp of the tensor's largest value, whichever
+# is more (a value read from a bf16 cache is that coarse whatever the path). Measured over 12
+# weight seeds, the kernel path's error is, as a multiple of the PyTorch path's, 1.05-1.4x in RMS
+# and up to 1.9x at its largest on an H100, 0.8-2.3x and up to 3.3x under the CPU interpreter
+# (its rounding points differ), hence 3 and 4. (On the CPU, one seed's MoE picks another expert
+# for one row on one path: no bound of a few ulps holds across that, the former rtol = atol = 5e-2
+# neither.) The PyTorch path's RMS error is 0.2-1.1% of the values' RMS, so a kernel 5% off across
+# a tensor fails, where the former tolerance let 10-20% pass on values of 0.2-0.6.
+RMS_FACTOR, MAX_FACTOR = 3.0, 4.0
 
 
 def tiny(q_lora_rank: int | None, interleave: bool) -> TargetConfig:
@@ -53,6 +67,51 @@ def forward(model, ids, meta, caches, fused: bool, monkeypatch):
         return model.forward_paged(ids, meta, caches, hidden_layers=(0, 1))
 
 
+def exact_twin(model: Target) -> Target:
+    """model's weights, exactly, in float32, on the PyTorch path (torch._grouped_mm, the MoE's
+    reference, takes no float64; float32's rounding is far below bf16's all the same)."""
+    twin = copy.deepcopy(model).to(torch.float32)
+    apply_policy(twin, REFERENCE)
+    return twin
+
+
+def check(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor | None) -> None:
+    """float32 (exact None): the kernel path's `got` equals the PyTorch path's `want`. bfloat16: got's
+    error against `exact` is within the bounds above, set by want's."""
+    if exact is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    err, base = got.double() - exact.double(), want.double() - exact.double()
+    rms = lambda e: e.pow(2).mean().sqrt()  # noqa: E731
+    assert rms(err) <= RMS_FACTOR * rms(base), ("rms", float(rms(err)), float(rms(base)))
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().max().double())) - 7)  # bf16: 8 significant bits
+    assert err.abs().max() <= MAX_FACTOR * max(base.abs().max(), ulp), ("max", float(err.abs().max()),
+                                                                       float(base.abs().max()), float(ulp))
+
+
+def compare_paths(model, ids, meta, caches, monkeypatch, logits_rows, hidden_rows) -> None:
+    """One forward from `caches` on the kernel path and on the PyTorch path (and, for bf16, on the
+    exact twin), each on its own copy: `check` on the logits' and captured hidden states' rows
+    named (index tuples; padding rows are left out) and on every cache entry."""
+    kernel_caches = [c.clone() for c in caches]
+    exact_caches = [c.float() for c in caches] if model.embed_tokens.weight.dtype == torch.bfloat16 else None
+    want, want_hidden = forward(model, ids, meta, caches, False, monkeypatch)
+    got, hidden = forward(model, ids, meta, kernel_caches, True, monkeypatch)
+    pairs = [(got[i], want[i], i) for i in logits_rows]
+    pairs += [(g[i], w[i], (layer, i)) for layer, (g, w) in enumerate(zip(hidden, want_hidden)) for i in hidden_rows]
+    pairs += [(g, w, ("cache", layer)) for layer, (g, w) in enumerate(zip(kernel_caches, caches))]
+    if exact_caches is None:
+        exacts = [None] * len(pairs)
+    else:
+        exact, exact_hidden = forward(exact_twin(model), ids, meta, exact_caches, False, monkeypatch)
+        exacts = [exact[i] for i in logits_rows] + [e[i] for e in exact_hidden for i in hidden_rows] + exact_caches
+    for (g, w, where), e in zip(pairs, exacts, strict=True):
+        try:
+            check(g, w, e)
+        except AssertionError as failure:
+            raise AssertionError(f"{where}: {failure}") from None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("q_lora_rank,interleave", [(None, True), (20, False)], ids=["moonlight", "q_lora"])
 def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, monkeypatch, kernel_device):
@@ -64,17 +123,9 @@ def test_fused_paged_forward_equals_reference(q_lora_rank, interleave, dtype, mo
     on = lambda meta: ForwardMeta(**{k: v.to(kernel_device) for k, v in vars(meta).items()})  # noqa: E731
     ids = torch.randint(0, 64, (2, 5), generator=gen).to(kernel_device)
     forward(model, ids, on(chain_meta([0, 0], 5, [5, 3])), caches, False, monkeypatch)
-    fused_caches = [c.clone() for c in caches]
     ids = torch.randint(0, 64, (2, 3), generator=gen).to(kernel_device)
     meta = on(chain_meta([5, 3], 3, [3, 2]))  # request 1: one padding row, to the scratch page
-    want, want_hidden = forward(model, ids, meta, caches, False, monkeypatch)
-    got, hidden = forward(model, ids, meta, fused_caches, True, monkeypatch)
-    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
-    torch.testing.assert_close(got[1, :2], want[1, :2], **TOL[dtype])
-    for g, w in zip(hidden, want_hidden):
-        torch.testing.assert_close(g, w, **TOL[dtype])
-    for g, w in zip(fused_caches, caches):
-        torch.testing.assert_close(g, w, **TOL[dtype])
+    compare_paths(model, ids, meta, caches, monkeypatch, logits_rows=[(0,), (1, slice(0, 2))], hidden_rows=[()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -85,15 +136,8 @@ def test_more_rows_than_the_decode_kernels_take_equal_reference(dtype, monkeypat
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2)).to(kernel_device)
     meta = ForwardMeta(**{k: v.to(kernel_device) for k, v in vars(chain_meta([0, 0], 9, [9, 6])).items()})
     assert ids.numel() > MAX_ROWS
-    caches, kernel_caches = model.new_cache(6, PAGE), model.new_cache(6, PAGE)
-    want, want_hidden = forward(model, ids, meta, caches, False, monkeypatch)
-    got, hidden = forward(model, ids, meta, kernel_caches, True, monkeypatch)
-    torch.testing.assert_close(got[0], want[0], **TOL[dtype])
-    torch.testing.assert_close(got[1, :6], want[1, :6], **TOL[dtype])
-    for g, w in zip(hidden, want_hidden):
-        torch.testing.assert_close(g[0], w[0], **TOL[dtype])
-    for g, w in zip(kernel_caches, caches):
-        torch.testing.assert_close(g, w, **TOL[dtype])
+    compare_paths(model, ids, meta, model.new_cache(6, PAGE), monkeypatch, logits_rows=[(0,), (1, slice(0, 6))],
+                  hidden_rows=[(0,)])
 
 
 def test_the_kernel_path_refuses_a_forward_that_trains_o_proj_alone(monkeypatch):

@@ -38,12 +38,22 @@ def test_completion_equals_the_request_served_alone(idle_server, reference):
     assert stats["seed"] is None  # greedy: no seed to report
 
 
-def test_sampled_request_without_a_seed_reports_the_one_drawn(idle_server):
-    body = {"prompt": "def fib(n):", "max_tokens": 4, "temperature": 0.7, "ddtree": {"mode": "ar"}}
+def test_sampled_request_without_a_seed_reports_the_one_drawn(idle_server, reference):
+    body = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0.7, "ddtree": {"mode": "ar"}}
     r = httpx.post(f"{idle_server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    seed = r.json()["usage"]["ddtree"]["seed"]
+    first = r.json()
+    seed = first["usage"]["ddtree"]["seed"]
     assert isinstance(seed, int) and seed >= 0
+    # the reported seed is the one used: sent back, it replays the completion, and so does an engine of its own
+    again = httpx.post(f"{idle_server.url}/v1/completions", json=body | {"seed": seed}, timeout=60)
+    assert again.status_code == 200, again.text
+    replay = again.json()
+    assert replay["choices"][0]["text"] == first["choices"][0]["text"]
+    assert replay["usage"]["completion_tokens"] == first["usage"]["completion_tokens"]
+    assert replay["usage"]["ddtree"]["seed"] == seed
+    alone = served_alone(reference, "def fib(n):", 12, mode="ar", temperature=0.7, seed=seed)
+    assert (first["choices"][0]["text"], first["usage"]["completion_tokens"]) == (alone.text, len(alone.token_ids))
 
 
 def test_token_id_prompt_and_stop_string(idle_server, reference):

@@ -17,7 +17,7 @@ import pytest
 
 import ddtree.demo
 from ddtree.cli import main
-from ddtree.cost_cache import cache_dir
+from ddtree.engine.kept_costs import cache_dir
 
 
 def _free_port() -> int:
@@ -62,6 +62,9 @@ def test_serve_runs_a_server_until_interrupted(pairs):
     assert f"http://127.0.0.1:{port}/v1" in err
     kept = list((cache_dir() / "round_costs").glob("*.json"))  # measured at start-up and kept for the next
     assert len(kept) == 1 and f"(kept in {kept[0]})" in err
+    # what the wait before serving is for, said before it starts
+    assert "ddtree serve: measuring round costs for budget auto at batch buckets [1, 2] x tree sizes [0, 1, 2, 4, 8] " \
+           "before serving" in err
 
 
 def _tiny_serve_argv(pairs, port: int) -> list[str]:
@@ -235,7 +238,8 @@ def test_serve_port_zero_is_accepted():
 
 
 def test_serve_port_in_use_or_a_foreign_host_is_one_line_before_loading(tmp_path, capsys):
-    nothing = ["--target", str(tmp_path), "--mode", "ar"]  # no model there: reaching the load would say so
+    (tmp_path / "config.json").write_text("{}")  # a directory that passes the checks, but no model in it:
+    nothing = ["--target", str(tmp_path), "--mode", "ar"]  # reaching the load would say so
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

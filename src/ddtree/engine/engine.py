@@ -26,7 +26,8 @@ from .costs import RoundCosts, pair_signature
 from .generate import OfflineGeneration
 from .graphs import RoundGraphs, graphs_wanted
 from .inflight import Flight, launch_copy
-from .loading import default_num_pages, load_pair
+from .kept_costs import keep_table, kept_table
+from .loading import default_num_pages, load_pair, resolve_device
 from .pages import BlockManager, KVCacheFull, pages_for
 from .profiling import buckets_up_to, measure_round_costs
 from .request import Request, RequestOutput, StepOutput, node_limit_for
@@ -46,7 +47,7 @@ class Engine(OfflineGeneration):
                  max_budget: int = 256, prefill_chunk: int = 512,
                  stop_token_ids: tuple[int, ...] = (), time_stages: bool = True, cuda_graphs: bool | None = None,
                  overlap: bool = True, tree_sizes: tuple[int, ...] = DEFAULT_TREE_SIZES,
-                 round_costs: RoundCosts | str | Path | None = None, relay=None):
+                 round_costs: RoundCosts | str | Path | None = None, kept_costs: str = "use", relay=None):
         """target / drafter: loaded models on one device (drafter None: only mode "ar").
         max_model_len: prompt + new tokens per request (default min(max_position_embeddings, 8192));
         num_pages: latent-cache pages of page_size slots (default: sized from memory);
@@ -61,6 +62,9 @@ class Engine(OfflineGeneration):
         tree_sizes: the sizes a budget="auto" round may verify (those <= max_budget; plain steps
         too); round_costs: the measured cost table (engine/costs.py, or a JSON path from `ddtree
         profile`; None: measured when first needed, engine/profiling.py).
+        kept_costs: without round_costs, "use" the table kept from an earlier engine of this pair
+        on this device and keep what is measured (engine/kept_costs.py), "fresh": measure again
+        and keep it, "off": neither read nor write the kept tables.
         relay: with tensor parallelism, rank 0's parallel.relay.Relay, which sends every device
         call to the other ranks (parallel/launch.py builds it; None: one process or a follower).
         The engine freezes the models it is given (requires_grad False on every weight)."""
@@ -104,6 +108,11 @@ class Engine(OfflineGeneration):
                                  self.state.drafter.keys[0].shape[1] if drafter is not None else 0, use)
         self.signature = pair_signature(target, drafter, self.device, use, page_size, overlap)
         self.sizer = tree_sizer(tree_sizes, max_budget, self.max_depth, round_costs, self.signature) if drafter else None
+        if kept_costs not in ("use", "fresh", "off"):
+            raise ValueError(f'kept_costs must be "use", "fresh" or "off", got {kept_costs!r}')
+        self.kept_costs = kept_costs if self.sizer is not None and round_costs is None else "off"
+        if self.kept_costs == "use" and (kept := kept_table(self.signature)) is not None:
+            self.sizer.add_costs(kept)
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}  # slot -> request
         self._requests: dict[str, Request] = {}
@@ -133,7 +142,7 @@ class Engine(OfflineGeneration):
             return cls(target, drafter, tokenizer, **engine_args)
         from ..parallel.launch import start_ranks
 
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = resolve_device(device)
         load = dict(target_dir=target_dir, drafter_dir=drafter_dir, dtype=dtype, trust_remote_code=trust_remote_code,
                     policy=kernels)
         ranks = start_ranks(tensor_parallel, device, load, dict(engine_args))
@@ -169,6 +178,8 @@ class Engine(OfflineGeneration):
             finally:
                 self._waiting.extendleft(reversed(queued))
             self.sizer.add_costs(table, missing)
+            if self.kept_costs != "off" and (path := keep_table(self.sizer.costs, self.signature)) is not None:
+                log.info("round costs kept in %s for the next engine of this pair on this device", path)
         return self.sizer.costs
 
     def _measure_or_degrade(self) -> None:

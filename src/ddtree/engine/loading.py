@@ -10,6 +10,7 @@ import torch
 from ..ops.policy import KernelPolicy
 from ..parallel.shard import SINGLE, Shard
 
+
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, device=None, dtype: torch.dtype | None = None,
               trust_remote_code: bool = False, policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE):
     """(target, drafter or None, tokenizer or None, stop token ids) from Hugging Face directories.
@@ -18,12 +19,30 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, device=Non
     (parallel/shard.py; the drafter is whole on every rank)."""
     from ..models import load_drafter, load_target
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     target = load_target(target_dir, dtype=dtype, device=device, policy=policy, shard=shard)
     drafter = load_drafter(drafter_dir, target, policy=policy) if drafter_dir is not None else None
     tokenizer = load_tokenizer(target_dir, trust_remote_code)
     return target, drafter, tokenizer, stop_token_ids(target_dir, tokenizer)
+
+
+def resolve_device(device=None) -> torch.device:
+    """`device` (a torch.device or its name; None: CUDA when present, else the CPU), checked: a
+    ValueError naming it when it is not a CUDA device or the CPU, or not on this machine."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device}: not a device (cuda, cuda:N or cpu)") from None
+    if parsed.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {device}: ddtree runs on cuda or cpu")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: this torch has no CUDA device (torch {torch.__version__}); use cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device}: there are {torch.cuda.device_count()} CUDA devices")
+    return parsed
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json")

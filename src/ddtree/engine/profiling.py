@@ -47,7 +47,7 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     prefix: prompt tokens of each stand-in (default min(256, max_model_len // 4)); warmup / repeats:
     steps per shape before and in the median; passes: over every size of a bucket (the second in
     reverse order), keeping each size's lowest median, so that a slow spell of the machine does
-    not land on one size alone; progress: a bar on stderr (None: when it is a terminal).
+    not land on one size alone; progress: a bar on stderr (None: once the measurement has taken a second).
     Needs an idle engine: nothing queued or running (Engine.measure_round_costs holds its queue
     back meanwhile)."""
     if engine.sizer is None:
@@ -75,6 +75,8 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=0)
     vocab = engine.target.cfg.vocab_size
     start = time.perf_counter()
+    log.info("measuring round costs for batch buckets %s x tree sizes %s (budget auto's table; once per pair and "
+             "device, then kept)", buckets, list(sizes))
     bar = _bar(len(buckets) * len(sizes) * passes, progress)
     for bucket in buckets:
         row = table.seconds.setdefault(bucket, {})
@@ -149,6 +151,8 @@ def _warm_sizes(size: int, warmup: int) -> list[int]:
 
 
 def _bar(total: int, enabled: bool | None):
+    """A progress bar on stderr; None: shown once the measurement has taken a second."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="measuring round costs", unit="shape", disable=None if enabled is None else not enabled)
+    return tqdm(total=total, desc="measuring round costs", unit="shape", disable=enabled is False,
+                delay=1.0 if enabled is None else 0.0)

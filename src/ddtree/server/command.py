@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 from ..arguments import add_pair_arguments, budget, cache_line, load_engine, positive, serving_batch
-from ..cost_cache import load_cached_costs, save_cached_costs
 from .auth import ENV_VAR, api_keys
 from .listening import listen, urls
 
@@ -128,6 +127,8 @@ def _serve_on(sockets, args, keys) -> int:
     """serve's part after the sockets are taken: load, measure, serve."""
     import uvicorn
 
+    from ..engine.kept_costs import table_path
+    from ..engine.profiling import buckets_up_to
     from .app import ServerConfig, create_app
     from .limits import Limits
     from .shutdown import DrainingServer
@@ -136,15 +137,20 @@ def _serve_on(sockets, args, keys) -> int:
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
     args.max_batch = args.max_batch or serving_batch(args.device)
-    engine = load_engine(args, round_costs=args.round_costs)
+    engine = load_engine(args, round_costs=args.round_costs, kept_costs="fresh" if args.fresh_costs else "use")
     leave_a_core_to_the_server(engine.device)  # before the round costs are measured: they run as served
     print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
     if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
         start = time.perf_counter()
-        kept = load_cached_costs(engine, fresh=args.fresh_costs) if args.round_costs is None else None
+        missing = engine.sizer.unmeasured(buckets_up_to(engine.max_batch, engine.max_batch))
+        if missing:
+            print(f"ddtree serve: measuring round costs for budget auto at batch buckets {missing} x tree sizes "
+                  f"{list(engine.sizer.sizes)} before serving (once per pair and device: the table is kept; "
+                  f"a smaller --max-batch measures fewer buckets; --round-costs or a fixed --budget skip it)",
+                  file=sys.stderr, flush=True)
         try:
             engine.measure_round_costs(progress=True)
-            save_cached_costs(engine, kept)
+            kept = table_path(engine.signature) if engine.kept_costs != "off" else None
             print(f"ddtree serve: round costs for batches up to {engine.max_batch} ready in "
                   f"{time.perf_counter() - start:.1f} s" + (f" (kept in {kept})" if kept else ""),
                   file=sys.stderr, flush=True)

@@ -146,7 +146,7 @@ def _serve_on(sockets, args, keys) -> int:
         if missing:
             print(f"ddtree serve: measuring round costs for budget auto at batch buckets {missing} x tree sizes "
                   f"{list(engine.sizer.sizes)} before serving (once per pair and device: the table is kept; "
-                  f"a smaller --max-batch measures fewer buckets; --round-costs or a fixed --budget skip it)",
+                  f"a smaller --max-batch measures fewer buckets; --round-costs FILE skips it)",
                   file=sys.stderr, flush=True)
         try:
             engine.measure_round_costs(progress=True)

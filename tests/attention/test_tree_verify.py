@@ -7,6 +7,7 @@ import torch
 
 from ddtree.attention import api, tree_verify_mla, tree_verify_mla_reference
 
+from ..conftest import gpu_or_scaled
 from .cases import Case, make_inputs
 
 SCALE = 192**-0.5 * 1.2**2  # (qk_nope + qk_rope)^-0.5 * mscale^2, as for Kimi K2
@@ -59,20 +60,43 @@ def test_split_kv_matches(num_splits, kernel_device, attention_backend):
     _run_and_compare(case, kernel_device, attention_backend, num_splits=num_splits)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize(
-    "heads,prefixes,rows,page",
-    [(64, [4096, 1, 777], 65, 64), (128, [300, 2000], 65, 16), (64, [33, 65], 257, 64), (16, [32768], 16, 64),
-     (16, [0, 3, 64, 1, 200] * 60, 5, 16)],  # 600 one-tile work items: more than a program per SM each
-)
-def test_large_shapes_on_gpu(heads, prefixes, rows, page, attention_backend):
+# Each case at full size on a GPU; on the CPU the same shape scaled down to seconds under the
+# interpreter.
+@pytest.mark.parametrize("heads,prefixes,rows,page", [
+    # long and one-token prefixes over 64-key pages; row tiles across nodes, the last one partial
+    gpu_or_scaled((64, [4096, 1, 777], 65, 64), (2, [300, 1, 77], 65, 64), "long-ragged"),
+    # more heads than a row tile: each node's heads split over tiles; 16-key pages
+    gpu_or_scaled((128, [300, 2000], 65, 16), (128, [100, 300], 2, 16), "128-heads"),
+    # more than two visibility words (257 rows: five; interpreted, 193: four), the last holding one row's bit
+    gpu_or_scaled((64, [33, 65], 257, 64), (1, [3, 65], 193, 64), "many-words"),
+    # one long request: the automatic choice splits its keys (MAX_SPLITS on a GPU, 4 interpreted)
+    gpu_or_scaled((16, [32768], 16, 64), (4, [1000], 16, 64), "long-prefix"),
+    # many requests: on the GPU 600 one-tile work items, more than a program per SM each
+    gpu_or_scaled((16, [0, 3, 64, 1, 200] * 60, 5, 16), (4, [0, 3, 64, 1, 200] * 2, 5, 16), "many-requests"),
+])
+def test_large_shapes(heads, prefixes, rows, page, kernel_device, attention_backend):
     tree_rows = [rows - i % rows for i in range(len(prefixes))]
     case = Case(heads=heads, prefixes=prefixes, tree_rows=tree_rows, rows=rows, page_size=page)
-    _run_and_compare(case, "cuda", attention_backend)
+    _run_and_compare(case, kernel_device, attention_backend)
+
+
+# (heads, rows, num_splits, the epilogue the launcher picks): each output path of the Hopper kernel
+HOPPER_EPILOGUES = [(64, 16, 1, 2), (16, 9, 1, 1), (64, 16, 2, 0), (16, 9, 3, 0)]
+
+
+def test_the_hopper_epilogue_cases_cover_every_path():
+    """The launcher's choice (api.hopper_epilogue, no GPU needed): staged + TMA store only for whole
+    64-row tiles per request and one split (16 heads x 9 rows = 144 rows is not: TMA would write
+    into the next request), staged + 16-byte stores otherwise, direct float32 partials with splits.
+    So test_every_hopper_epilogue's cases reach all three."""
+    for heads, rows, num_splits, epilogue in HOPPER_EPILOGUES:
+        assert api.hopper_epilogue(rows * heads, num_splits) == epilogue, (heads, rows, num_splits)
+    assert {case[3] for case in HOPPER_EPILOGUES} == {0, 1, 2}
+    assert [api.hopper_epilogue(n, 1) for n in (64, 128, 144, 65, 1)] == [2, 2, 1, 1, 1]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("heads,rows,num_splits", [(64, 16, 1), (16, 9, 1), (64, 16, 2), (16, 9, 3)])
+@pytest.mark.parametrize("heads,rows,num_splits", [case[:3] for case in HOPPER_EPILOGUES])
 def test_every_hopper_epilogue(heads, rows, num_splits):
     """Each output path of the Hopper kernel, as the launcher picks it: staged + TMA store (whole
     64-row tiles per request, one split), staged + 16-byte stores (a tile that spills into the next

@@ -33,6 +33,24 @@ def test_cuda_graphs_refuse_a_cpu_engine(tmp_path):
         Engine.from_pretrained(target_dir, drafter_dir, device="cpu", cuda_graphs=True)
 
 
+def test_graphs_wanted_follows_the_switch_the_device_and_the_dtype(monkeypatch):
+    """The engine's choice (graphs_wanted) without a GPU: True demands graphs and refuses all but a
+    bf16 model on CUDA; None takes them for bf16 on CUDA sm_90 / sm_100 only; False never."""
+    from ddtree.engine.graphs import graphs_wanted
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for device, dtype in [(cuda, torch.float32), (cuda, torch.float16), (cpu, torch.bfloat16), (cpu, torch.float32)]:
+        with pytest.raises(ValueError, match="cuda_graphs needs a bf16 model on a CUDA device"):
+            graphs_wanted(True, device, dtype)
+        assert not graphs_wanted(None, device, dtype) and not graphs_wanted(False, device, dtype)
+    assert graphs_wanted(True, cuda, torch.bfloat16) and not graphs_wanted(False, cuda, torch.bfloat16)
+    asked = []
+    for major, want in [(8, False), (9, True), (10, True), (12, False)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (major, 0))
+        assert graphs_wanted(None, cuda, torch.bfloat16) is want, major
+    assert asked == [cuda] * 4
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_cuda_graphs_refuse_other_dtypes_than_bf16(tmp_path, dtype):

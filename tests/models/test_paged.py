@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 from ddtree.models.paged import ForwardMeta  # noqa: E402
 from ddtree.tree import build_trees, pack_visibility, topk_logprobs  # noqa: E402
 
+from ..conftest import CUDA_AND_INTERPRETED  # noqa: E402
 from .checkpoints import shuffled_block_table, tiny_config, tiny_float32_target  # noqa: E402
 
 PAGE = 4
@@ -75,24 +76,39 @@ def test_tree_verify_equals_per_branch_decoding(target):
             torch.testing.assert_close(got[r, i], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", CUDA_AND_INTERPRETED)
 @torch.no_grad()
-def test_verify_with_the_triton_kernel_matches_prefill_bf16():
-    """At Kimi K2's latent shape (kv_lora_rank 512, rope 64) the paged forward on CUDA runs the
-    tree-verify kernel; it must agree with the plain prefill to bf16 accuracy."""
+def test_verify_with_the_triton_kernel_matches_prefill_bf16(device, monkeypatch):
+    """At Kimi K2's latent shape (kv_lora_rank 512, rope 64) the paged forward runs the tree-verify
+    kernel (on CUDA by the default policy; on the CPU, interpreted, where the attention layers'
+    policy takes the kernels: fewer tokens and layers); it must agree with the plain prefill to
+    bf16 accuracy."""
     import json
 
     from ddtree.models import TargetConfig, random_target
+    from ddtree.models import paged
+    from ddtree.models.target import MLA
+    from ddtree.ops import KernelPolicy
 
-    raw = json.loads(tiny_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64).to_json_string())
-    model = random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, device="cuda", std=0.05)
-    ids = torch.randint(0, 96, (2, 40), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    tokens, layers = (40, 3) if device == "cuda" else (12, 1)
+    calls = []
+    real = paged.tree_verify_mla
+    monkeypatch.setattr(paged, "tree_verify_mla", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    raw = json.loads(tiny_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                                 num_hidden_layers=layers).to_json_string())
+    model = random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, device=device, std=0.05)
+    if device == "cpu":  # the kernel path of attention only: the rest of the model stays PyTorch
+        for layer in model.modules():
+            if isinstance(layer, MLA):
+                layer.policy = KernelPolicy(auto_devices=("cuda", "cpu"))
+    ids = torch.randint(0, 96, (2, tokens), generator=torch.Generator().manual_seed(0)).to(device)
     want, _ = model(ids)
-    bt = shuffled_block_table(2, 12, seed=5).cuda()
+    bt = shuffled_block_table(2, 12, seed=5).to(device)
     caches = model.new_cache(bt.numel() + 3, PAGE)
-    meta = _chain_meta(bt.cpu(), [0, 0], 40)
-    meta = ForwardMeta(**{k: v.cuda() for k, v in vars(meta).items()})
+    meta = _chain_meta(bt.cpu(), [0, 0], tokens)
+    meta = ForwardMeta(**{k: v.to(device) for k, v in vars(meta).items()})
     got, _ = model.forward_paged(ids, meta, caches)
+    assert calls == [(2, tokens, 4, 576)] * layers, "each layer's attention must run the kernel"
     err = (got - want).norm() / want.norm()
     assert err < 2e-2, f"relative error {err:.2e}"
 

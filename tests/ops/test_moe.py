@@ -20,6 +20,8 @@ from ddtree.ops.moe import (BLOCK_K, BLOCK_N, NARROW_TILES, SharedExperts, Works
                             tiles_for)
 from ddtree.ops.moe_align import NO_EXPERT, align_by_expert, max_blocks
 
+from ..conftest import CUDA_AND_INTERPRETED
+
 POISON_INT = -7
 
 
@@ -360,16 +362,26 @@ def test_fused_path_refuses_a_forward_that_trains_only_the_shared_experts():
     assert moe.shared_experts.down_proj.weight.grad is not None
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", CUDA_AND_INTERPRETED)
 @torch.no_grad()
-def test_moe_on_cuda_takes_the_fused_path_up_to_the_threshold(monkeypatch):
+def test_automatic_moe_takes_the_fused_path_up_to_the_threshold(device, monkeypatch):
+    """The automatic policy runs the fused kernels for up to moe_fused_max_tokens tokens and the
+    grouped GEMMs above: on CUDA the default policy and limit; on the CPU a policy whose "auto"
+    takes the (interpreted) kernels there too, with a small limit. Both equal the reference path."""
     calls = []
     real = moe_module.fused_moe
     monkeypatch.setattr(moe_module, "fused_moe", lambda *args, **kw: calls.append(args[0].shape[0]) or real(*args, **kw))
-    moe = make_moe(torch.bfloat16).cuda()
-    limit = moe.policy.moe_fused_max_tokens
+    moe = make_moe(torch.bfloat16).to(device)
+    if device == "cpu":
+        moe.policy = KernelPolicy(auto_devices=("cuda", "cpu"), moe_fused_max_tokens=3)
+    auto, limit = moe.policy, moe.policy.moe_fused_max_tokens
+    gen = torch.Generator().manual_seed(limit)
     for tokens in (1, limit, limit + 1):
-        moe(torch.randn(tokens, 72, device="cuda", dtype=torch.bfloat16))
+        x = torch.randn(tokens, 72, generator=gen).to(device=device, dtype=torch.bfloat16)
+        got = moe(x)
+        moe.policy = REFERENCE
+        assert_close(got, moe(x), TOL[torch.bfloat16])
+        moe.policy = auto
     assert calls == [1, limit]
 
 

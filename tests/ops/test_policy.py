@@ -25,7 +25,7 @@ def test_one_policy_reaches_every_layer_with_a_kernel():
 
 class Tensor:  # stands for a tensor where only the device and autograd matter
     def __init__(self, cuda: bool, grad: bool = False):
-        self.is_cuda, self.requires_grad = cuda, grad
+        self.device, self.requires_grad = torch.device("cuda" if cuda else "cpu"), grad
 
 
 def test_the_choices():
@@ -45,12 +45,23 @@ def test_the_choices():
     assert not auto.moe_fused(1, 8, torch.float64, cuda)  # no kernel for float64
     assert not auto.moe_fused(8, 9000, torch.bfloat16, cuda)  # past the alignment's pairs
     assert KERNELS.moe_fused(10**6, 8, torch.bfloat16, Tensor(False))  # forced: no limit applies
+    # auto_devices: "auto" may take the (interpreted) kernels on the CPU too, within the same limits
+    cpu_too = KernelPolicy(auto_devices=("cuda", "cpu"))
+    assert cpu_too.kernel("x", Tensor(False)) and cpu_too.kernel("x", Tensor(True))
+    assert not KernelPolicy(auto_devices=("cpu",)).kernel("x", Tensor(True))
+    assert not KernelPolicy(auto_devices=()).kernel("x", Tensor(True))
+    assert cpu_too.moe_fused(limit, 8, torch.bfloat16, Tensor(False))
+    assert not cpu_too.moe_fused(limit + 1, 8, torch.bfloat16, Tensor(False))
+    with torch.enable_grad():
+        assert not cpu_too.kernel("x", Tensor(False, grad=True))
 
 
 @pytest.mark.parametrize("fields,match", [
     (dict(paths="fast"), "kernel paths must be one of"),
     (dict(gemm_max_rows=17), r"gemm_max_rows must be in \[0, 16\]"),
     (dict(moe_fused_max_tokens=-1), "token limits must be >= 0"),
+    (dict(auto_devices=("cuda", "mps")), "auto_devices must be a tuple of"),
+    (dict(auto_devices="cpu"), "auto_devices must be a tuple of"),
 ])
 def test_bad_policies_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -7,7 +7,7 @@ import torch
 
 from ddtree.tree import TREE_FIELDS, build_trees, empty_trees
 
-from ..conftest import HAS_CUDA
+from ..conftest import HAS_CUDA, gpu_or_scaled
 from .helpers import assert_trees_equal, make_draft, make_logits, with_zero_probability
 
 
@@ -81,14 +81,20 @@ def test_large_batch_small_trees(kernel_device):
     _check(lp, tok, 4, kernel_device, "B 256")
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("batch,budget,depth", [(256, 512, 15), (64, 64, 31), (256, 1024, 7), (17, 333, 15)])
-def test_full_size_on_gpu(batch, budget, depth):
+# Served sizes on a GPU; on the CPU, where the interpreter runs one program (request) at a time
+# and each node costs a step, the same mix of batch, budget and depth scaled down to seconds.
+@pytest.mark.parametrize("batch,budget,depth", [
+    gpu_or_scaled((256, 512, 15), (2, 12, 15), "wide-batch"),
+    gpu_or_scaled((64, 64, 31), (1, 20, 31), "depth-31"),
+    gpu_or_scaled((256, 1024, 7), (4, 8, 7), "largest-budget"),
+    gpu_or_scaled((17, 333, 15), (3, 11, 15), "odd-sizes"),
+])
+def test_served_sizes(batch, budget, depth, kernel_device):
     gen = torch.Generator().manual_seed(batch + budget)
     for kind in ("bf16", "integer", "peaked"):
         lp, tok = make_draft(kind, batch, depth, 2048, min(budget, 2048), gen)
         lp = with_zero_probability(lp, gen) if kind == "peaked" else lp
-        _check(lp, tok, budget, "cuda", f"{kind} B{batch} n{budget} D{depth}")
+        _check(lp, tok, budget, kernel_device, f"{kind} B{batch} n{budget} D{depth}")
 
 
 @pytest.mark.cuda

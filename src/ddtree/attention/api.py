@@ -121,6 +121,17 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
     return None
 
 
+def hopper_epilogue(rows_per_req: int, num_splits: int) -> int:
+    """The Hopper kernel's output path (its EPILOGUE) for requests of rows_per_req (node, head)
+    rows: 0, float32 partials stored directly (several splits); 2, staged in shared memory and
+    stored by TMA, which writes whole BLOCK_M-row boxes and so needs whole row tiles per request
+    (a partial tile's box would spill into the next request's rows); else 1, staged and stored
+    with masked 16-byte stores."""
+    if num_splits > 1:
+        return 0
+    return 2 if rows_per_req % BLOCK_M == 0 else 1
+
+
 def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, part, part_lse,
                    softmax_scale, num_splits, pdl: bool = True) -> None:
     """Launch the Gluon kernel; its output path (EPILOGUE) follows from the splits and the shapes."""
@@ -143,10 +154,7 @@ def _launch_hopper(q, kv_cache, block_table, prefix_lens, num_rows, visibility, 
     kn, kr = split_latent_rope(kv_cache.view(-1, dim), page_rows)
     qn, qr = split_latent_rope(q.view(-1, dim), BLOCK_M)
     out_desc = qn  # a placeholder where the epilogue does not use it
-    if num_splits > 1:
-        epilogue = 0  # float32 partials, stored directly
-    else:
-        epilogue = 2 if (rows * heads) % BLOCK_M == 0 else 1  # whole row tiles: TMA cannot spill into the next request
+    epilogue = hopper_epilogue(rows * heads, num_splits)
     if epilogue == 2:
         flat = part.view(-1, VALUE_DIM)
         out_desc = TensorDescriptor(flat, list(flat.shape), [VALUE_DIM, 1], [BLOCK_M, VALUE_DIM], layout)

@@ -201,9 +201,10 @@ def attend_reference(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, sc
 
 def attend(q: torch.Tensor, cache: torch.Tensor, meta: ForwardMeta, scale: float, latent_dim: int,
            policy: KernelPolicy | None = None) -> torch.Tensor:
-    """Tree-verify attention: with a policy that takes kernels, the tree-verify kernel where it runs
-    (CUDA, bf16 / fp16, a 512-wide latent), else (and with no policy) the PyTorch reference."""
-    if (policy is not None and policy.kernel("attention", q) and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    """Tree-verify attention: with a policy that takes kernels here (on CUDA, or interpreted on the
+    CPU where the policy says so), the tree-verify kernel where it runs (bf16 / fp16, a 512-wide
+    latent), else (and with no policy) the PyTorch reference."""
+    if (policy is not None and policy.kernel("attention", q) and q.dtype in (torch.bfloat16, torch.float16)
             and latent_dim == 512):
         out, _ = tree_verify_mla(q.contiguous(), cache, meta.block_table, meta.prefix_lens, meta.num_rows,
                                  meta.visibility, scale, check=False, pdl=policy.pdl)

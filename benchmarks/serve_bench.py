@@ -18,7 +18,9 @@ Writes <name>-<gpu>.json and .md under --out-dir (GPU name from --gpu-name or th
 /health; the server's library versions, this client's, the date and the command line).
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:8000 --concurrency 1,8,32 \
-        --modes ar,chain,ddtree --budget 64 --max-tokens 128
+        --modes ar,chain,ddtree:16,ddtree:auto --max-tokens 128
+
+A mode is ar, chain or ddtree[:budget] (a number or auto; bare ddtree sends --budget).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import commit  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_PROMPTS = [  # Python openings, what the demo pair (a small Python coder) is for
@@ -127,7 +132,7 @@ async def run_cell(client, url: str, bodies: list[dict], concurrency: int) -> tu
     return records, time.perf_counter() - start
 
 
-def summarize(mode: str, budget: int | None, concurrency: int, records: list[dict], wall: float) -> dict:
+def summarize(mode: str, budget: int | str | None, concurrency: int, records: list[dict], wall: float) -> dict:
     ok = [r for r in records if r["error"] is None]
     ms = lambda v: None if v is None else round(v * 1e3, 2)  # noqa: E731
     tokens = sum(r["tokens"] for r in ok)
@@ -149,13 +154,31 @@ def summarize(mode: str, budget: int | None, concurrency: int, records: list[dic
     }
 
 
-def make_bodies(args, prompts: list[str], mode: str, count: int, model: str, offset: int) -> list[dict]:
+def parse_modes(text: str, budget) -> list[tuple[str, int | str | None]]:
+    """--modes as (mode, budget) pairs: "ar", "chain", "ddtree" (with `budget`) or "ddtree:N" /
+    "ddtree:auto"; a ValueError naming the entry that is none of these."""
+    modes = []
+    for entry in text.split(","):
+        mode, _, value = entry.partition(":")
+        if mode not in ("ar", "chain", "ddtree") or (value and mode != "ddtree"):
+            raise ValueError(f"--modes entry {entry!r}: need ar, chain, ddtree or ddtree:BUDGET")
+        if mode != "ddtree":
+            modes.append((mode, None))
+            continue
+        value = value or str(budget)
+        if value != "auto" and not (value.isdigit() and int(value) > 0):
+            raise ValueError(f"--modes entry {entry!r}: a budget is auto or an int > 0")
+        modes.append((mode, value if value == "auto" else int(value)))
+    return modes
+
+
+def make_bodies(args, prompts: list[str], mode: str, budget, count: int, model: str, offset: int) -> list[dict]:
     bodies = []
     for i in range(count):
         body = {"model": model, "prompt": prompts[(offset + i) % len(prompts)], "max_tokens": args.max_tokens,
                 "temperature": args.temperature, "stream": True, "ignore_eos": args.ignore_eos,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                "ddtree": {"mode": mode, **({"budget": args.budget} if mode == "ddtree" else {})}}
+                "ddtree": {"mode": mode, **({"budget": budget} if budget is not None else {})}}
         if args.seed is not None:
             body["seed"] = args.seed + offset + i
         bodies.append(body)
@@ -172,16 +195,16 @@ async def bench(args) -> dict:
         models = (await client.get(f"{args.url}/v1/models")).json()["data"]
         model = args.model or models[0]["id"]
         results = []
-        for mode in args.modes:
-            warm, _ = await run_cell(client, args.url, make_bodies(args, prompts, mode, args.warmup, model, 0),
+        for mode, budget in args.modes:
+            warm, _ = await run_cell(client, args.url, make_bodies(args, prompts, mode, budget, args.warmup, model, 0),
                                      max(1, min(args.warmup, 4)))
             if any(r["error"] for r in warm):
                 print(f"warm-up of {mode} failed: {next(r['error'] for r in warm if r['error'])}", file=sys.stderr)
             for concurrency in args.concurrency:
                 count = args.requests or max(16, 4 * concurrency)
-                bodies = make_bodies(args, prompts, mode, count, model, offset=concurrency)
+                bodies = make_bodies(args, prompts, mode, budget, count, model, offset=concurrency)
                 records, wall = await run_cell(client, args.url, bodies, concurrency)
-                row = summarize(mode, args.budget if mode == "ddtree" else None, concurrency, records, wall)
+                row = summarize(mode, budget, concurrency, records, wall)
                 print(json.dumps(row), flush=True)
                 results.append(row)
     gpu = args.gpu_name or health.get("gpu") or health.get("device_name") or "unknown"
@@ -191,6 +214,7 @@ async def bench(args) -> dict:
         "server_versions": health.get("versions"), "client_python": platform.python_version(),
         "client_httpx": httpx.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
     }
     return {"environment": environment, "args": vars(args), "results": results}
@@ -217,8 +241,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (no /v1)")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client concurrency levels")
-    parser.add_argument("--modes", default="ar,chain,ddtree", help="comma-separated: ar, chain, ddtree")
-    parser.add_argument("--budget", type=int, default=64, help="tree budget sent with mode ddtree")
+    parser.add_argument("--modes", default="ar,chain,ddtree", help="comma-separated: ar, chain, ddtree, "
+                        "ddtree:BUDGET (a number or auto)")
+    parser.add_argument("--budget", default="64", help="tree budget sent with a bare ddtree (a number or auto)")
     parser.add_argument("--requests", type=int, default=0, help="requests per cell (0: max(16, 4 x concurrency))")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests before each mode")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -235,7 +260,12 @@ def main() -> None:
     args = parser.parse_args()
     args.url = args.url.rstrip("/")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.modes = args.modes.split(",")
+    try:
+        args.modes = parse_modes(args.modes, args.budget)
+    except ValueError as err:
+        parser.error(str(err))
+    if commit() == "unknown":
+        parser.error("no commit to record with the results: run from a git checkout or stamp it (dev/stamp.py)")
     payload = asyncio.run(bench(args))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -169,7 +169,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
 
-    engine = Engine.from_pretrained(args.target, args.drafter, device=args.device, max_budget=max(args.budgets))
+    engine = Engine.from_pretrained(args.target, args.drafter, device=args.device, max_budget=max(args.budgets),
+                                    kept_costs="off")
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()]
     payload = {"environment": environment(), "device": str(engine.device), "dtype": str(engine.target.embed_tokens.weight.dtype),
                "pair": {"target": str(args.target or "demo"), "drafter": str(args.drafter or "demo")},

@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DATA / "demo_acceptance")
     args = parser.parse_args()
 
-    engine = Engine.from_pretrained(device=args.device, max_batch=1, overlap=False)
+    engine = Engine.from_pretrained(device=args.device, max_batch=1, overlap=False, kept_costs="off")
     recorder = RecordingDrafter(engine.drafter, args.k)
     engine.drafter = engine.ctx.drafter = recorder
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()]

@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()]
     prompts = prompts[: args.prompts]
-    engine = Engine.from_pretrained(max_batch=args.batch, max_budget=64)
+    engine = Engine.from_pretrained(max_batch=args.batch, max_budget=64, kept_costs="off")
     engine.measure_round_costs()
     spent = timed_parts(engine)
     report = []

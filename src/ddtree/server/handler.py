@@ -157,6 +157,7 @@ class _Stream:
                     yield sse(event.error.body())
                     break
                 assert isinstance(event, Chunk)
+                event = self.handle.coalesce(event)  # what a slow reader let pile up: one event
                 if event.text or event.finish_reason is not None:
                     usage = event.usage if options.continuous_usage_stats else None
                     yield sse(shape.chunk(event.text, event.finish_reason, usage))

@@ -85,6 +85,7 @@ class Handle:
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    held: object | None = None  # an event coalesce took from the queue and could not merge
 
     def push(self, event) -> None:
         """Thread-safe: deliver one event to the loop (dropped if the loop is gone)."""
@@ -94,4 +95,21 @@ class Handle:
             pass
 
     async def next(self):
+        if self.held is not None:
+            event, self.held = self.held, None
+            return event
         return await self.queue.get()
+
+    def coalesce(self, chunk: Chunk) -> Chunk:
+        """`chunk` and the chunks already queued behind it, as one chunk (in order: their text
+        joined, their tokens counted, the last one's usage and finish_reason): a client reading
+        slower than rounds commit gets what is pending in one event, as vLLM's stream interval
+        does. Stops at the last chunk or at an event of another kind, which next() returns."""
+        while chunk.finish_reason is None and self.held is None and not self.queue.empty():
+            event = self.queue.get_nowait()
+            if isinstance(event, Chunk):
+                chunk = Chunk(chunk.text + event.text, chunk.num_tokens + event.num_tokens, event.usage,
+                              event.finish_reason)
+            else:
+                self.held = event
+        return chunk

@@ -172,6 +172,9 @@ def check_before_loading(args) -> str | None:
             return f"--{flag} {path}: no such directory"
         if path is not None and not (Path(path) / "config.json").is_file():
             return f"--{flag} {path}: no config.json there (a Hugging Face model directory holds one)"
+    costs = getattr(args, "round_costs", None)
+    if costs is not None and not Path(costs).is_file():
+        return f"--round-costs {costs}: no such file"
     budget_ = getattr(args, "budget", None)
     if isinstance(budget_, int) and budget_ > args.max_budget:
         return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"
@@ -188,13 +191,17 @@ def cache_line(engine) -> str:
 
 
 def load_engine(args, **engine_args):
-    """The Engine that add_pair_arguments' flags describe."""
+    """The Engine that add_pair_arguments' flags describe; what the user's directories or
+    --round-costs file hold that cannot be loaded is a UsageError (exit 2)."""
     import torch
 
     from .engine import Engine
 
-    return Engine.from_pretrained(
-        args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
-        trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
-        num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget, cuda_graphs=args.cuda_graphs,
-        tensor_parallel=args.tensor_parallel, **engine_args)
+    try:
+        return Engine.from_pretrained(
+            args.target, args.drafter, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+            trust_remote_code=args.trust_remote_code, max_batch=args.max_batch, max_model_len=args.max_model_len,
+            num_pages=args.num_pages, page_size=args.page_size, max_budget=args.max_budget,
+            cuda_graphs=args.cuda_graphs, tensor_parallel=args.tensor_parallel, **engine_args)
+    except (ValueError, KeyError, NotImplementedError, FileNotFoundError) as err:
+        raise UsageError(err.args[0] if isinstance(err, KeyError) and err.args else str(err)) from err

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tree nodes per round (ddtree), or auto: chosen each round by measured cost")
     gen.add_argument("--round-costs", default=None, help="a round-cost table from `ddtree profile` "
                      "(default: the one kept from an earlier run for this pair and device, else measured "
-                     "before the first round and kept; engine/kept_costs.py)")
+                     "before the first round and kept)")
     gen.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
     gen.add_argument("--temperature", type=at_least_zero, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass, in (0, 1]")
@@ -49,7 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(commands)
     add_profile_command(commands)
     parser.epilog = "Errors are one line on stderr; DDTREE_TRACEBACK=1 shows the traceback instead."
+    parser.commands = commands.choices  # name -> its parser: unrecognized flags are named against it
     return parser
+
+
+def unrecognized(parser, command: str | None, extra: list[str]) -> str:
+    """One line for flags no parser took, with the closest flag of `command` when one is close."""
+    import difflib
+
+    sub = parser.commands.get(command, parser)
+    flags = [flag for action in sub._actions for flag in action.option_strings]
+    close = [difflib.get_close_matches(word.split("=")[0], flags, n=1) for word in extra if word.startswith("-")]
+    hint = "; did you mean " + ", ".join(match[0] for match in close if match) + "?" if any(close) else ""
+    return f"{sub.prog}: error: unrecognized arguments: {' '.join(extra)}{hint}"
 
 
 def _stats_line(out, sampled: bool) -> str:
@@ -213,7 +225,10 @@ def _log_engine_events() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sys.stderr.write(unrecognized(parser, args.command, extra) + "\n")
+        return 2
     if args.command is None:  # a bare `ddtree`: what there is to do
         parser.print_help(sys.stderr)
         return 2

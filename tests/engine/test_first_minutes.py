@@ -135,3 +135,41 @@ def test_version_and_help_print_without_importing_torch():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stderr.strip() == "False", run.stderr
     assert ddtree("--version").stdout.strip().startswith("ddtree ")
+
+
+def test_what_the_users_directories_and_files_hold_is_their_mistake(tmp_path):
+    """A model directory or --round-costs file that cannot be read: one line naming it, exit 2."""
+    (tmp_path / "config.json").write_text("{}")
+    run = ddtree("generate", "--target", str(tmp_path), "--mode", "ar", "x")
+    assert run.returncode == 2 and run.stderr.strip() == (
+        f"ddtree generate: error: {tmp_path / 'config.json'} lacks 'vocab_size', which a DeepSeek-V3 / Kimi K2 "
+        "config holds")
+    (tmp_path / "config.json").write_text("not json")
+    run = ddtree("generate", "--target", str(tmp_path), "--mode", "ar", "x")
+    assert run.returncode == 2 and run.stderr.strip().startswith(
+        f"ddtree generate: error: {tmp_path / 'config.json'} is not valid JSON (")
+    run = ddtree("generate", "--round-costs", str(tmp_path), "x")
+    assert run.returncode == 2 and run.stderr.strip() == f"ddtree generate: error: --round-costs {tmp_path}: no such file"
+
+
+def test_an_unknown_flag_is_named_with_the_closest_one():
+    run = ddtree("generate", "--max-new-tokenz", "4", "x")
+    assert run.returncode == 2 and run.stderr.strip() == (
+        "ddtree generate: error: unrecognized arguments: --max-new-tokenz; did you mean --max-new-tokens?")
+    run = ddtree("--bogus")
+    assert run.returncode == 2 and run.stderr.strip() == "ddtree: error: unrecognized arguments: --bogus"
+
+
+def test_a_cpu_cost_table_belongs_to_its_thread_count(pair):
+    """A server leaves a core to its HTTP side: its table must not stand in for a command's."""
+    target, drafter = pair
+    threads = torch.get_num_threads()
+    engine = Engine.from_pretrained(target, drafter, device="cpu", max_batch=1, kept_costs="off")
+    assert engine.signature["cpu_threads"] == threads
+    try:
+        torch.set_num_threads(threads + 1)
+        assert Engine.from_pretrained(target, drafter, device="cpu", max_batch=1,
+                                      kept_costs="off").signature["cpu_threads"] == threads + 1
+    finally:
+        torch.set_num_threads(threads)
+

@@ -19,9 +19,10 @@ FORMAT = "ddtree.round_costs/1"
 
 def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool, page_size: int = 64,
                    overlap: bool = True) -> dict:
-    """What a cost table depends on: the two models' shapes, their dtype, the device, graphs on or
-    off, the cache's page size, whether steps overlap the host's work with the device's, and how
-    many ranks the target is split over."""
+    """What a cost table depends on: the two models' shapes, their dtype, the device (on the CPU,
+    with torch's thread count: a server leaves a core to its HTTP side), graphs on or off, the
+    cache's page size, whether steps overlap the host's work with the device's, and how many ranks
+    the target is split over."""
     cfg = target.cfg
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -35,6 +36,8 @@ def pair_signature(target, drafter, device: torch.device, cuda_graphs: bool, pag
         "target": {key: getattr(cfg, key) for key in ("hidden_size", "num_hidden_layers", "vocab_size",
                                                       "n_routed_experts", "num_experts_per_tok", "kv_lora_rank")},
     }
+    if device.type == "cpu":
+        signature["cpu_threads"] = torch.get_num_threads()
     if drafter is not None:
         d = drafter.cfg
         signature["drafter"] = {"hidden_size": d.hidden_size, "num_hidden_layers": d.num_hidden_layers,

@@ -140,4 +140,9 @@ class TargetConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        return cls.from_dict(json.loads(file.read_text()))
+        try:
+            return cls.from_dict(json.loads(file.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file} is not valid JSON ({err})") from None
+        except KeyError as err:
+            raise ValueError(f"{file} lacks {err.args[0]!r}, which a DeepSeek-V3 / Kimi K2 config holds") from None

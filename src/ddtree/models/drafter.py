@@ -87,7 +87,13 @@ class DrafterConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DrafterConfig":
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+        file = Path(path) / "config.json"
+        try:
+            return cls.from_dict(json.loads(file.read_text()))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file} is not valid JSON ({err})") from None
+        except KeyError as err:
+            raise ValueError(f"{file} lacks {err.args[0]!r}, which a DFlash drafter's config holds") from None
 
 
 def rotate_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

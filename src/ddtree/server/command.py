@@ -136,9 +136,12 @@ def _serve_on(sockets, args, keys) -> int:
     limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
+    from ..engine.loading import resolve_device
+
     args.max_batch = args.max_batch or serving_batch(args.device)
+    # before the engine is built: its round costs (kept or measured) are for the threads it serves with
+    leave_a_core_to_the_server(resolve_device(args.device))
     engine = load_engine(args, round_costs=args.round_costs, kept_costs="fresh" if args.fresh_costs else "use")
-    leave_a_core_to_the_server(engine.device)  # before the round costs are measured: they run as served
     print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
     if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
         start = time.perf_counter()

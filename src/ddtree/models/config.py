@@ -137,12 +137,18 @@ class TargetConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "TargetConfig":
-        file = Path(path) / "config.json"
-        if not file.is_file():
+        if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        try:
-            return cls.from_dict(json.loads(file.read_text()))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{file} is not valid JSON ({err})") from None
-        except KeyError as err:
-            raise ValueError(f"{file} lacks {err.args[0]!r}, which a DeepSeek-V3 / Kimi K2 config holds") from None
+        return from_config_file(path, cls.from_dict, "a DeepSeek-V3 / Kimi K2 config")
+
+
+def from_config_file(path: str | Path, build, holder: str):
+    """build(the dict in path/config.json), with a file that is not JSON or lacks a field `build`
+    reads refused as one ValueError naming the file (holder: what such a config is, for the message)."""
+    file = Path(path) / "config.json"
+    try:
+        return build(json.loads(file.read_text()))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err})") from None
+    except KeyError as err:
+        raise ValueError(f"{file} lacks {err.args[0]!r}, which {holder} holds") from None

@@ -10,7 +10,6 @@ projects the newly committed tokens. Embedding and lm_head are the target's.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.policy import KernelPolicy
+from .config import from_config_file
 from .layers import MLP, RMSNorm
 
 
@@ -87,13 +87,7 @@ class DrafterConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DrafterConfig":
-        file = Path(path) / "config.json"
-        try:
-            return cls.from_dict(json.loads(file.read_text()))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{file} is not valid JSON ({err})") from None
-        except KeyError as err:
-            raise ValueError(f"{file} lacks {err.args[0]!r}, which a DFlash drafter's config holds") from None
+        return from_config_file(path, cls.from_dict, "a DFlash drafter's config")
 
 
 def rotate_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ddtree.models.checkpoint import init_random  # noqa: E402
 from ddtree.models.layers import MoE  # noqa: E402
 from ddtree.ops import KernelPolicy  # noqa: E402
 from ddtree.ops.moe import Workspace, fused_moe, grouped_moe  # noqa: E402
-from ddtree.ops.moe_align import MAX_PAIRS  # noqa: E402
+from ddtree.ops.moe_align import token_chunks  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
@@ -79,9 +79,7 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
         want = grouped_moe(x[:check], *experts, weights[:check], ids[:check]).float()
         for tile in tiles:
             m, n, k = tile or (None, None, None)  # auto: fused_moe's own choice (block_m_for, tiles_for)
-            # past the expert alignment's MAX_PAIRS, in the token chunks the MoE layer itself runs
-            chunk = max(1, MAX_PAIRS // ids.shape[1])
-            parts = [slice(c, min(c + chunk, t)) for c in range(0, t, chunk)]
+            parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
             spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m) for p in parts]
 
             def run(m=m, n=n, k=k, parts=parts, spaces=spaces):

@@ -39,9 +39,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import commit  # noqa: E402
+from common import RESULTS_DIR, commit  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_PROMPTS = [  # Python openings, what the demo pair (a small Python coder) is for
     "def fibonacci(n):", "import os\n\ndef list_files(path):", "class Stack:\n    def __init__(self):",
     "def quicksort(items):", "import json\n\ndef load_config(path):", "def is_prime(n: int) -> bool:",

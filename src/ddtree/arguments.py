@@ -158,7 +158,7 @@ def check_before_loading(args) -> str | None:
         try:
             resolve_device(device)
         except ValueError as err:
-            return f"--{err}"  # "device 'x': ..." names the flag
+            return f"--{err}"  # "device x: ..." becomes "--device x: ...", naming the flag
     ranks = getattr(args, "tensor_parallel", 1)
     if ranks > 1:
         import torch

@@ -141,7 +141,7 @@ def generate(args) -> None:
     show()
 
 
-def read_prompts(args, stdin=None) -> None:
+def read_prompts(args) -> None:
     """Replace a "-" prompt by standard input: the whole text (less one final newline), or with
     --lines each non-empty line; an error when it holds no prompt or --lines comes without -."""
     if "-" not in args.prompts:
@@ -150,7 +150,7 @@ def read_prompts(args, stdin=None) -> None:
         return
     if args.prompts != ["-"]:
         raise UsageError("- (standard input) must be the only prompt")
-    text = (stdin or sys.stdin).read()
+    text = sys.stdin.read()
     prompts = [line for line in text.splitlines() if line.strip()] if args.lines else [text.removesuffix("\n")]
     if not any(p.strip() for p in prompts):
         raise UsageError("standard input held no prompt")

@@ -3,8 +3,8 @@
 
 One step (engine/stepping.py) admits waiting requests that fit (a free slot, pages for their
 worst case), prefills them, and launches one round for every running request; with overlap (the
-default) it then reads the previous step's round, so the host's work on committed tokens runs while the device computes
-(engine/inflight.py). The host waits for one small copy per round; everything else stays on the
+default) it then reads the previous step's round, so the host's work on committed tokens runs
+while the device computes (engine/inflight.py). The host waits for one small copy per round; everything else stays on the
 device.
 """
 
@@ -170,7 +170,7 @@ class Engine(Stepping, OfflineGeneration):
         wait); returns the table, which budget="auto" rounds use from then on."""
         if self.sizer is None:
             raise ValueError("round costs are for tree sizes: this engine has no drafter")
-        missing = self.sizer.unmeasured(buckets_up_to(max_requests or self.max_batch, self.max_batch))
+        missing = self.unmeasured_buckets(max_requests)
         if missing:
             queued, self._waiting = self._waiting, deque()
             try:
@@ -181,6 +181,11 @@ class Engine(Stepping, OfflineGeneration):
             if self.kept_costs != "off" and (path := keep_table(self.sizer.costs, self.signature)) is not None:
                 log.info("round costs kept in %s for the next engine of this pair on this device", path)
         return self.sizer.costs
+
+    def unmeasured_buckets(self, max_requests: int | None = None) -> list[int]:
+        """The batch buckets of up to max_requests (default max_batch) requests that the cost
+        table lacks: what measure_round_costs would measure."""
+        return self.sizer.unmeasured(buckets_up_to(max_requests or self.max_batch, self.max_batch))
 
     def _measure_or_degrade(self) -> None:
         try:

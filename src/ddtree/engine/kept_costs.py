@@ -2,8 +2,8 @@
 
 budget="auto" needs the engine's cost table (engine/costs.py), and measuring it takes seconds on
 the H200 and half a minute or more for the demo pair on a small CPU: more than a short generate
-itself. An engine keeps what it measured in a cache folder, one file per pair signature (models'
-shapes, dtype, device, graphs, page size, overlap) and ddtree version, and loads it the next time
+itself. An engine keeps what it measured in a cache folder, one file per pair signature
+(costs.pair_signature) and ddtree version, and loads it the next time
 (Engine(kept_costs=...): "use", "fresh" to measure again, "off"). Real steps' distance from the
 table is learned online anyway (costs.StepCorrection), so a table measured on another day on the
 same kind of device is a fair start. The folder is $DDTREE_CACHE_DIR, else

@@ -17,7 +17,7 @@ from ..ops.gemm import linear as few_row_linear
 from ..ops.int4 import VALUES_PER_WORD, PackedInt4
 from ..ops.launch import DTYPES as KERNEL_DTYPES
 from ..ops.moe import SharedExperts, fused_moe, grouped_moe
-from ..ops.moe_align import MAX_PAIRS
+from ..ops.moe_align import token_chunks
 from ..ops.norm import rms_norm, rms_norm_reference
 from ..ops.policy import KernelPolicy
 from ..ops.router import fused_route, route_reference
@@ -295,10 +295,9 @@ class MoE(nn.Module):
         stored = [p for p in self.parameters(recurse=False)]
         if self.policy.moe_fused(x.shape[0], ids.numel(), x.dtype, x, weights, *stored, *others, int4=self.int4 is not None):
             shared = self._shared_in_place()
-            chunk = max(1, MAX_PAIRS // max(1, ids.shape[1]))  # tokens the expert alignment sorts at once
-            parts = [fused_moe(x[t : t + chunk], w_gate_up, w_down, weights[t : t + chunk], ids[t : t + chunk],
-                               shared=shared, direct_max_tokens=self.policy.moe_direct_max_tokens, pdl=self.policy.pdl)
-                     for t in range(0, x.shape[0], chunk)]
+            parts = [fused_moe(x[t], w_gate_up, w_down, weights[t], ids[t], shared=shared,
+                               direct_max_tokens=self.policy.moe_direct_max_tokens, pdl=self.policy.pdl)
+                     for t in token_chunks(x.shape[0], ids.shape[1])]
             out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one chunk (any 16-bit call): no copy
         else:
             out = grouped_moe(x, w_gate_up, w_down, weights, ids)

@@ -27,6 +27,13 @@ from .launch import launch_flags, wait_for_producers
 NO_EXPERT = -1  # block_expert of a block past the used ones
 MAX_PAIRS = 8192  # one program sorts all pairs in registers: the fused path is for few rows
 MAX_EXPERTS = 1024  # with MAX_PAIRS, sort keys expert * P_PAD + p stay in int32
+
+
+def token_chunks(num_tokens: int, top_k: int) -> list[slice]:
+    """The token ranges, in order, whose (token, choice) pairs the alignment takes at once
+    (at most MAX_PAIRS each): how many tokens one fused_moe call may be given."""
+    chunk = max(1, MAX_PAIRS // max(1, top_k))
+    return [slice(t, min(t + chunk, num_tokens)) for t in range(0, num_tokens, chunk)]
 _NO_EXPERT: tl.constexpr = tl.constexpr(NO_EXPERT)  # the kernel's copy
 
 

@@ -128,7 +128,7 @@ def _serve_on(sockets, args, keys) -> int:
     import uvicorn
 
     from ..engine.kept_costs import table_path
-    from ..engine.profiling import buckets_up_to
+    from ..engine.loading import resolve_device
     from .app import ServerConfig, create_app
     from .limits import Limits
     from .shutdown import DrainingServer
@@ -136,8 +136,6 @@ def _serve_on(sockets, args, keys) -> int:
     limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
-    from ..engine.loading import resolve_device
-
     args.max_batch = args.max_batch or serving_batch(args.device)
     # before the engine is built: its round costs (kept or measured) are for the threads it serves with
     leave_a_core_to_the_server(resolve_device(args.device))
@@ -145,7 +143,7 @@ def _serve_on(sockets, args, keys) -> int:
     print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
     if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
         start = time.perf_counter()
-        missing = engine.sizer.unmeasured(buckets_up_to(engine.max_batch, engine.max_batch))
+        missing = engine.unmeasured_buckets()
         if missing:
             print(f"ddtree serve: measuring round costs for budget auto at batch buckets {missing} x tree sizes "
                   f"{list(engine.sizer.sizes)} before serving (once per pair and device: the table is kept; "

@@ -1,6 +1,6 @@
 """ddtree: DDTree speculative decoding for MLA mixture-of-experts targets."""
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["Engine", "SamplingParams", "__version__"]
 

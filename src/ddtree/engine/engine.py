@@ -145,7 +145,7 @@ class Engine(Stepping, OfflineGeneration):
         device = resolve_device(device)
         load = dict(target_dir=target_dir, drafter_dir=drafter_dir, dtype=dtype, trust_remote_code=trust_remote_code,
                     policy=kernels)
-        ranks = start_ranks(tensor_parallel, device, load, dict(engine_args))
+        ranks = start_ranks(tensor_parallel, device, load, dict(engine_args), cls)
         try:
             target, drafter, tokenizer, stops = load_pair(**load, device="cuda:0" if device.type == "cuda" else device,
                                                           shard=ranks.shard)

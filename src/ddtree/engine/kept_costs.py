@@ -18,7 +18,7 @@ import logging
 import os
 from pathlib import Path
 
-from .. import __version__
+from ..version import __version__
 
 log = logging.getLogger("ddtree.engine")
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..engine.loading import load_pair
 from .relay import Relay, follow
 from .shard import Shard
 
@@ -64,25 +65,23 @@ def _join(rank: int, world: int, address: str, backend: str) -> tuple[Shard, obj
     return Shard(rank, world, dist.group.WORLD), control
 
 
-def _follower(index: int, world: int, address: str, backend: str, load: dict, engine_args: dict) -> None:
-    from ..engine import Engine
-    from ..engine.loading import load_pair
-
+def _follower(index: int, world: int, address: str, backend: str, load: dict, engine_args: dict,
+              engine_class: type) -> None:
     rank = index + 1
     shard, control = _join(rank, world, address, backend)
     try:
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
         target, drafter, tokenizer, stops = load_pair(**load, device=device, shard=shard)
-        engine = Engine(target, drafter, tokenizer, **{**engine_args, "round_costs": None})
+        engine = engine_class(target, drafter, tokenizer, **{**engine_args, "round_costs": None})
         follow(engine.worker, control)
     finally:
         dist.destroy_process_group()
 
 
-def start_ranks(world: int, device: torch.device, load: dict, engine_args: dict) -> Ranks:
+def start_ranks(world: int, device: torch.device, load: dict, engine_args: dict, engine_class: type) -> Ranks:
     """Start ranks 1 .. world - 1 (their models from `load`, load_pair's arguments but the device;
-    their engines from `engine_args`) and join them as rank 0. On CUDA: NCCL, rank r on cuda:r
-    (there must be `world` GPUs); on the CPU: gloo."""
+    their engines `engine_class(target, drafter, tokenizer, **engine_args)`) and join them as rank 0.
+    On CUDA: NCCL, rank r on cuda:r (there must be `world` GPUs); on the CPU: gloo."""
     if world < 2:
         raise ValueError(f"tensor_parallel must be >= 2 to start ranks, got {world}")
     if dist.is_initialized():
@@ -91,8 +90,8 @@ def start_ranks(world: int, device: torch.device, load: dict, engine_args: dict)
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise ValueError(f"tensor_parallel={world} needs {world} GPUs; this machine has {torch.cuda.device_count()}")
     address = _free_address()
-    processes = mp.start_processes(_follower, args=(world, address, backend, load, engine_args), nprocs=world - 1,
-                                   join=False, start_method="spawn")
+    processes = mp.start_processes(_follower, args=(world, address, backend, load, engine_args, engine_class),
+                                   nprocs=world - 1, join=False, start_method="spawn")
     shard, control = _join(0, world, address, backend)
     ranks = Ranks(shard, Relay(control), processes)
     atexit.register(ranks.release)  # an engine never closed still releases its ranks when the process ends

@@ -4,6 +4,8 @@ and against the floors.
 
     python benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 --tokens 1 2 4 8 16 32 64 65 128
     python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 2080 --tiles auto   # INT4 experts
+    python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 --tiles auto,16x32x128,2x32x256
+        # INT4 tiles: BLOCK_M below 16 is the row kernels' (ops/moe_int4_rows.py)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
@@ -80,7 +82,8 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
         for tile in tiles:
             m, n, k = tile or (None, None, None)  # auto: fused_moe's own choice (block_m_for, tiles_for)
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
-            spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m) for p in parts]
+            spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m, int4=int4)
+                      for p in parts]
 
             def run(m=m, n=n, k=k, parts=parts, spaces=spaces):
                 for p, ws in zip(parts, spaces):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4moe tests tiny demo moonlight kimi steps sync
+#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo moonlight kimi steps sync
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -28,6 +28,9 @@ for part in "$@"; do
            tests/ops/test_moe_decode.py 2>&1 | tee "$out/ops.log" | tail -6 ;;
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
                --tiles auto --out "$out" 2>&1 | tail -12 ;;
+    int4tiles) timeout "${INT4_S:-240}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65} \
+                 --tiles "${INT4_TILES:-auto,16x32x128,1x32x256,2x32x256,1x64x256,1x16x256,1x32x512,4x32x128}" \
+                 --out "$out/int4tiles" 2>&1 | grep -v "^|" | tail -12 ;;
     moebf16) timeout "${MOE_S:-200}" python3 benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 \
                --tokens ${MOE_TOKENS:-65 256 544 1024} --tiles auto --out "$out/bf16" 2>&1 | tail -12 ;;
     tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \

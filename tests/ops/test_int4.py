@@ -1,6 +1,7 @@
 """INT4 experts (ops/int4.py, the W4 path of ops/moe.py): the packing is compressed-tensors' own,
-and the fused MoE with INT4 experts gives the bits of the same MoE with the dequantized weights,
-which the float64 loop and the grouped reference check; bad INT4 inputs are refused by name."""
+the fused MoE's tl.dot path with INT4 experts gives the bits of the same MoE with the dequantized
+weights, which the float64 loop and the grouped reference check; its row kernels (moe_int4_rows.py)
+match the float64 loop from the float32 dequantized weights; bad INT4 inputs are refused by name."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from ddtree.ops.int4 import PackedInt4, dequantize_int4, pack_int4, quantize_int4, unpack_int4
-from ddtree.ops.moe import INT4_TILES, Workspace, fused_moe, grouped_moe
+from ddtree.ops.moe import INT4_ROWS_MAX, INT4_TILES, SharedExperts, Workspace, block_m_for, fused_moe, grouped_moe
 
 from .test_moe import POISON_INT, TOL, Case, assert_close, make_inputs, make_shared, moe_reference
 
@@ -67,11 +68,11 @@ def test_int4_experts_equal_their_dequantized_twin(case, dtype, num_shared, kern
     x, gate_up, down, weights, ids = int4_experts(case, dtype, kernel_device)
     shared = make_shared(case, num_shared, dtype, kernel_device) if num_shared else None
     ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
-                         num_shared=num_shared)
+                         block_m=16, num_shared=num_shared)
     ws.sorted_pairs.fill_(POISON_INT)
     for buf in (ws.h, ws.y):
         buf.fill_(float("nan"))
-    got = fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws)
+    got = fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=16)  # the tl.dot path
     block_n, block_k = INT4_TILES  # the twin multiplies in the INT4 path's tiles: the same sums, in order
     twin = fused_moe(x, dense(gate_up, dtype), dense(down, dtype), weights, ids, shared=shared, block_n=block_n,
                      block_k=block_k)
@@ -92,6 +93,53 @@ def test_int4_experts_equal_their_dequantized_twin(case, dtype, num_shared, kern
         assert_close(grouped, want, TOL[dtype])
 
 
+# (case, block_m, block_k): one token (direct mode) and aligned blocks of 1, 2 and 4 pairs; block_k
+# None is INT4_ROWS_TILES' (one masked K step at these widths), 16 and 32 several steps
+ROW_CASES = [(Case(1, 3, 7, 48, 32, seed=21), 1, None), (Case(1, 3, 7, 48, 32, seed=21), 2, 16),
+             (Case(5, 2, 4, 64, 24, seed=22), 1, 16), (Case(5, 2, 4, 64, 24, seed=22), 4, None),
+             (Case(24, 4, 6, 32, 40, route="all", seed=23), 2, None), (Case(24, 4, 6, 56, 40, route="all", seed=23), 4, 16),
+             (Case(3, 2, 4, 128, 128, seed=24), 2, 32)]
+
+
+@pytest.mark.parametrize("case,block_m,block_k", ROW_CASES, ids=lambda v: str(v) if not isinstance(v, Case) else f"T{v.tokens}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("num_shared", [0, 1])
+def test_int4_row_kernels_match_the_float64_loop(case, block_m, block_k, dtype, num_shared, kernel_device):
+    x, gate_up, down, weights, ids = int4_experts(case, dtype, kernel_device)
+    shared = make_shared(case, num_shared, dtype, kernel_device) if num_shared else None
+    on_cpu = None if shared is None else SharedExperts(*(t.cpu() for t in (shared.gate, shared.up, shared.down)))
+    # the float32 dequantized weights: the row kernels do not round them to 16 bits
+    want = moe_reference(x.cpu(), dense(gate_up, torch.float32).cpu(), dense(down, torch.float32).cpu(), weights.cpu(),
+                         ids.cpu(), on_cpu)
+    unused = torch.ones(case.experts, dtype=torch.bool, device=kernel_device)
+    unused[ids.flatten()] = False
+    for w in (gate_up, down):  # a read of an expert no token chose shows as NaN
+        w.scale[unused] = float("nan")
+    ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
+                         block_m=block_m, num_shared=num_shared, int4=True)
+    ws.sorted_pairs.fill_(POISON_INT)
+    for buf in (ws.h, ws.y):
+        buf.fill_(float("nan"))
+    got = fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m, block_k=block_k)
+    assert_close(got, want, TOL[dtype])
+
+
+def test_int4_takes_the_row_kernels_at_few_pairs_per_expert(kernel_device):
+    # a Kimi K2.6 decode token, a tree of 9 and of 65 rows, a verify of 2080 (384 experts, top 8)
+    assert [block_m_for(t * 8, 384, int4=True) for t in (1, 9, 65, 2080)] == [1, 1, 2, 64]
+    assert block_m_for(5 * 8, 10, int4=True) == INT4_ROWS_MAX and block_m_for(6 * 8, 10, int4=True) == 16
+    assert block_m_for(8, 384) == 16  # 16-bit experts: tl.dot's tiles
+    case = Case(4, 2, 4, 32, 16, seed=25)
+    x, gate_up, down, weights, ids = int4_experts(case, torch.float32, kernel_device)
+    auto = fused_moe(x, gate_up, down, weights, ids)  # 8 pairs over 4 experts: blocks of 2, the row kernels
+    assert torch.equal(auto, fused_moe(x, gate_up, down, weights, ids, block_m=2))
+    dense_x, dense_gate_up, dense_down, _, _ = make_inputs(case, torch.float32, kernel_device)
+    with pytest.raises(ValueError, match="INT4 experts only"):
+        fused_moe(dense_x, dense_gate_up, dense_down, weights, ids, block_m=4)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 1, got 3"):
+        fused_moe(x, gate_up, down, weights, ids, block_m=3)
+
+
 def test_bad_int4_experts_are_refused(kernel_device):
     case = Case(2, 2, 4, 32, 16, seed=3)
     x, gate_up, down, weights, ids = int4_experts(case, torch.float32, kernel_device)
@@ -105,7 +153,8 @@ def test_bad_int4_experts_are_refused(kernel_device):
         fused_moe(torch.zeros(2, 40, device=kernel_device), gate_up, down, weights, ids)
 
 
-def test_every_pointer_the_shared_branch_compiles_has_the_activations_dtype(kernel_device, monkeypatch):
+@pytest.mark.parametrize("block_m", [16, 2], ids=["dot", "rows"])
+def test_every_pointer_the_shared_branch_compiles_has_the_activations_dtype(block_m, kernel_device, monkeypatch):
     """Without shared experts the kernels' shared branch never runs, but a GPU compiles it: its weight
     pointers must be of the activations' dtype (the packed int32 experts there do not compile)."""
     import ddtree.ops.moe as moe
@@ -123,9 +172,11 @@ def test_every_pointer_the_shared_branch_compiles_has_the_activations_dtype(kern
                 return self.kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(moe, "gate_up_kernel", Recording(moe.gate_up_kernel, ("shared_gate_ptr", "shared_up_ptr")))
-    monkeypatch.setattr(moe, "down_kernel", Recording(moe.down_kernel, ("shared_down_ptr",)))
+    for name in ("gate_up_kernel", "gate_up_rows_kernel"):
+        monkeypatch.setattr(moe, name, Recording(getattr(moe, name), ("shared_gate_ptr", "shared_up_ptr")))
+    for name in ("down_kernel", "down_rows_kernel"):
+        monkeypatch.setattr(moe, name, Recording(getattr(moe, name), ("shared_down_ptr",)))
     case = Case(2, 2, 4, 32, 16, seed=5)
     x, gate_up, down, weights, ids = int4_experts(case, torch.float32, kernel_device)
-    fused_moe(x, gate_up, down, weights, ids)
+    fused_moe(x, gate_up, down, weights, ids, block_m=block_m)
     assert seen == {"shared_gate_ptr": x.dtype, "shared_up_ptr": x.dtype, "shared_down_ptr": x.dtype}

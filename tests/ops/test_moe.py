@@ -149,6 +149,7 @@ CASES = {
 @pytest.mark.parametrize("tokens,top_k,experts,block_m,route", [
     (1, 1, 1, 16, "random"), (1, 8, 384, 16, "random"), (5, 3, 7, 16, "random"), (40, 2, 4, 16, "random"),
     (33, 2, 6, 16, "same"), (12, 4, 13, 32, "all"), (64, 8, 384, 16, "random"), (6, 2, 9, 16, "few"),
+    (9, 8, 384, 1, "random"), (65, 8, 384, 2, "random"), (33, 2, 6, 4, "same"),  # the INT4 row kernels' blocks
 ])
 def test_alignment_matches_python_reference(tokens, top_k, experts, block_m, route, kernel_device):
     ids = Case(tokens, top_k, experts, 1, 1, route=route, seed=tokens).ids()

@@ -32,6 +32,7 @@ import triton
 
 from .int4 import PackedInt4, dequantize_int4
 from .launch import DTYPES, dot_flags, launch_flags, require_kernel_device
+from .moe_int4_rows import SHARED_M, down_rows_kernel, gate_up_rows_kernel
 from .moe_kernels import down_kernel, gate_up_kernel, sum_choices_kernel
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
@@ -47,14 +48,21 @@ MIN_PROGRAMS = 128
 # INT4 experts: the narrowest tile of a sweep at 1 and 9 rows (results/moe_paths-kimi-k2.6-int4-tiles-*):
 # their programs unpack words rather than wait on memory, so more of them must run at once.
 INT4_TILES = (32, 128)
+# INT4 experts at up to INT4_ROWS_MAX pairs per expert (mean, a power of two): the row kernels
+# (moe_int4_rows.py), in blocks of that many pairs, with tiles (BLOCK_N, BLOCK_K) INT4_ROWS_TILES.
+INT4_ROWS_MAX = 4
+INT4_ROWS_TILES = (32, 256)
 NUM_WARPS = 4
 NUM_STAGES = 3
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
 
 
-def block_m_for(num_pairs: int, num_experts: int) -> int:
-    """Rows per expert block: the mean pairs per expert rounded up to a power of two, in [16, 64]."""
-    return min(64, max(BLOCK_M, triton.next_power_of_2(max(1, -(-num_pairs // num_experts)))))
+def block_m_for(num_pairs: int, num_experts: int, int4: bool = False) -> int:
+    """Rows per expert block: the mean pairs per expert rounded up to a power of two, in [16, 64]
+    for tl.dot's tiles; with INT4 experts up to INT4_ROWS_MAX that power of two itself (the row
+    kernels, which take blocks of any power of two)."""
+    rows = triton.next_power_of_2(max(1, -(-num_pairs // num_experts)))
+    return rows if int4 and rows <= INT4_ROWS_MAX else min(64, max(BLOCK_M, rows))
 
 
 def tiles_for(num_pairs: int, inter: int) -> tuple[int, int]:
@@ -75,9 +83,10 @@ class Workspace:
     @classmethod
     def empty(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
               dtype: torch.dtype, device: torch.device | str, block_m: int | None = None,
-              num_shared: int = 0) -> Workspace:
+              num_shared: int = 0, int4: bool = False) -> Workspace:
+        """int4: for INT4 experts (block_m's default is theirs)."""
         pairs = num_tokens * top_k
-        block_m = block_m_for(pairs, num_experts) if block_m is None else block_m
+        block_m = block_m_for(pairs, num_experts, int4) if block_m is None else block_m
         blocks = max_blocks(pairs, num_experts, block_m)
         rows = pairs + num_shared * num_tokens
         return cls(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
@@ -202,6 +211,9 @@ def fused_moe(
     workspace:  optional Workspace.empty(T, k, E, hidden, inter, x.dtype, x.device, block_m, S).
     block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
                 block_m_for(T * k, E) and tiles_for(T * k + S * T, inter) (INT4_TILES for INT4 experts).
+                INT4 experts also take a block_m below 16 (a power of two): the row kernels
+                (moe_int4_rows.py; None chooses them up to INT4_ROWS_MAX pairs per expert, with
+                INT4_ROWS_TILES), whose sums are not the dequantized twin's to the bit.
     direct_max_tokens: up to this many tokens, no alignment (above); 0: always aligned.
     pdl:        programmatic dependent launch where the GPU has it (ops/launch.py).
     Returns out: x.dtype [T, hidden]; expert outputs (routed in choice order, then shared) are
@@ -210,15 +222,22 @@ def fused_moe(
     num_shared = _check(x, w_gate_up, w_down, weights, ids, shared)
     (tokens, hidden), top_k = x.shape, ids.shape[1]
     experts, _, inter = expert_shape(w_gate_up)
+    int4 = isinstance(w_gate_up, PackedInt4)
     if block_m is None:
-        block_m = block_m_for(ids.numel(), experts)
-    wide_n, wide_k = INT4_TILES if isinstance(w_gate_up, PackedInt4) else tiles_for(ids.numel() + num_shared * tokens,
-                                                                                     inter)
+        block_m = block_m_for(ids.numel(), experts, int4)
+    if block_m < 16 and not int4:
+        raise ValueError(f"block_m must be a power of two >= 16 (tl.dot), got {block_m}: below 16 (the row "
+                         "kernels) takes INT4 experts only")
+    if int4:
+        wide_n, wide_k = INT4_ROWS_TILES if block_m < 16 else INT4_TILES
+    else:
+        wide_n, wide_k = tiles_for(ids.numel() + num_shared * tokens, inter)
     block_n = wide_n if block_n is None else block_n
     block_k = wide_k if block_k is None else block_k
-    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if size < 16 or size & (size - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {size}")
+    for name, size, least in (("block_m", block_m, 1 if int4 else 16), ("block_n", block_n, 16),
+                              ("block_k", block_k, 16)):
+        if size < least or size & (size - 1):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {size}")
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
@@ -226,7 +245,7 @@ def fused_moe(
         raise ValueError(f"out must be a contiguous {x.dtype} [{tokens}, {hidden}] on {x.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
     if workspace is None:
-        workspace = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m, num_shared)
+        workspace = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m, num_shared, int4)
     else:
         want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m, num_shared)
         for name in ("sorted_pairs", "block_expert", "h", "y"):
@@ -254,7 +273,8 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
     top_k, num_pairs = weights.shape[1], ids.numel()
     routed_blocks = num_pairs if blocks is None else blocks.block_expert.numel()
     block_expert = ids if blocks is None else blocks.block_expert
-    token_blocks = triton.cdiv(tokens, block_m)
+    rows = block_m < 16  # INT4 experts through the row kernels; shared experts in tiles of SHARED_M tokens
+    token_blocks = triton.cdiv(tokens, SHARED_M if rows else block_m)
     programs = routed_blocks + num_shared * token_blocks  # shared programs follow the routed blocks
     int4 = isinstance(w_gate_up, PackedInt4)
     # per weight: (the routed weight, its scale, stride per expert, per row, and the scale's two)
@@ -262,17 +282,21 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
                     else (w, w, *w.stride()[:2], 0, 0) for w in (w_gate_up, w_down))
     # without shared experts their branch never runs, but it compiles: a stand-in of the activations' dtype
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
-    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
-                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0,
+    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, GROUP=w_gate_up.group_size if int4 else 32,
                  **launch_flags(x.device, pdl))
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
+    tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if rows:
+        gate_up_launch, down_launch, tiles["ROWS"] = gate_up_rows_kernel, down_rows_kernel, block_m
+    else:
+        gate_up_launch, down_launch, tiles["BLOCK_M"] = gate_up_kernel, down_kernel, block_m
+        flags.update(W4=int4, EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0)
+    gate_up_launch[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
         num_pairs, experts, tokens, top_k, hidden, inter, routed_blocks, token_blocks,
         x.stride(0), up_w[2], up_w[3], ws.h.stride(0), gate.stride(0), up_w[4], up_w[5],
         **tiles, **flags,
     )
-    down_kernel[(programs, triton.cdiv(hidden, block_n))](
+    down_launch[(programs, triton.cdiv(hidden, block_n))](
         ws.h, down_w[0], weights, ws.sorted_pairs, block_expert, ws.y, down, down_w[1],
         num_pairs, experts, tokens, inter, hidden, routed_blocks, token_blocks,
         ws.h.stride(0), down_w[2], down_w[3], ws.y.stride(0), down.stride(0), down_w[4], down_w[5],

@@ -109,8 +109,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
         raise ValueError(f"ids has {num_pairs} (token, choice) pairs, the fused MoE path takes at most {MAX_PAIRS}")
     if not 1 <= num_experts <= MAX_EXPERTS:
         raise ValueError(f"num_experts must be in [1, {MAX_EXPERTS}], got {num_experts}")
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two >= 16 (tl.dot), got {block_m}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
     n_blocks = max_blocks(num_pairs, num_experts, block_m)
     if out is None:
         out = (torch.empty(n_blocks * block_m, dtype=torch.int32, device=ids.device),

@@ -22,7 +22,7 @@ from .launch import dot, matmul_tile, wait_for_producers
 
 
 @triton.jit
-def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
+def swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """silu(x @ Wg) * (x @ Wu) for one [BLOCK_M, BLOCK_N] tile, float32; pointers at k = 0."""
@@ -67,7 +67,7 @@ def _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stri
 def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
+    """swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -100,7 +100,7 @@ def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth
 
 
 @triton.jit
-def _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts,
+def routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts,
                   BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
     """(expert, pairs [BLOCK_M]) of routed program pid_m; expert -1: nothing to do. DIRECT: one
     pair per program, pair pid_m, and block_expert_ptr is the router's ids itself (no alignment:
@@ -115,7 +115,7 @@ def _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_expe
 
 
 @triton.jit
-def _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.constexpr):
+def shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.constexpr):
     """(shared expert, token ids [BLOCK_M] int64, row mask) of a program past the routed blocks."""
     j = pid_m - routed_blocks
     token = (j % token_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -140,7 +140,7 @@ def gate_up_kernel(
     col_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     if pid_m < routed_blocks:
-        expert, pair = _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)
+        expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)
         if expert >= 0:  # NO_EXPERT (-1): past the used blocks
             row_ok = pair < num_pairs  # padding slots hold num_pairs
             token = (pair // top_k).to(tl.int64)
@@ -152,14 +152,14 @@ def gate_up_kernel(
                                     BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION)
             else:
                 gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
-                h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
+                h = swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
             h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     else:
-        shared, token, row_ok = _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
+        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
         w_offs = (shared * inter + offs_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
-        h = _swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
+        h = swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
                          shared_up_ptr + w_offs, BLOCK_K, row_ok, col_ok, hidden,
                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
         row = num_pairs + shared * num_tokens + token
@@ -184,7 +184,7 @@ def down_kernel(
     col_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     if pid_m < routed_blocks:
-        expert, pair = _routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)
+        expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, BLOCK_M, DIRECT)
         if expert >= 0:
             row_ok = pair < num_pairs
             row = tl.where(row_ok, pair, 0).to(tl.int64)
@@ -202,7 +202,7 @@ def down_kernel(
             tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
                      mask=row_ok[:, None] & col_ok[None, :])
     else:
-        shared, token, row_ok = _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
+        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
         row = num_pairs + shared * num_tokens + token
         # The shared down weight is [hidden, S * inter]: expert s's columns s * inter .. + inter - 1.
         w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]

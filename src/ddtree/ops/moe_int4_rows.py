@@ -1,0 +1,183 @@
+"""INT4 routed experts at a few rows per expert (decode, tree verify): fused_moe's two GEMM kernels
+with each routed block's rows multiplied one by one on the CUDA cores instead of through tl.dot.
+
+At one to a few rows per expert a layer is a weight read, and what bounds the tl.dot path of
+moe_kernels.py there is the unpacking: each INT4 value converted to float, scaled, rounded to
+16 bits and moved into the tensor cores' operand layout. Here a packed word stays in the layout it
+was loaded in; value i of a word (bits 4i .. 4i + 3, compressed-tensors' order) becomes a float
+with two integer operations and one subtraction (`_nibble`), is multiplied by the activation of
+its column, and the eight products of a word are summed before its group scale is applied once.
+The activations' columns are taken apart to match with tl.split (no gather). Sums are float32
+throughout and the weights are not rounded to 16 bits, so the result differs from the dequantized
+twin's in the last bits (more accurate, not equal).
+
+The shared experts (16-bit) keep moe_kernels' tl.dot tiles of SHARED_M tokens in the same launches;
+the routed blocks hold ROWS pairs (moe_align with block_m = ROWS, or one pair each in DIRECT mode).
+Row layout of h and y, arguments and sums as moe_kernels' gate_up_kernel and down_kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import matmul_tile, wait_for_producers
+from .moe_kernels import routed_block, shared_rows, swiglu_tile
+
+SHARED_M = 16  # tokens per shared-expert program (tl.dot's minimum)
+
+
+@triton.jit
+def _nibble(words, i: tl.constexpr):
+    """Value i of each packed int32 word minus 8 (the symmetric zero point), float32: the 4 bits set
+    into the low mantissa of 2^23, then 2^23 + 8 subtracted; exact, with no int-to-float conversion."""
+    bits = ((words >> (4 * i)) & 0xF) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _columns(a_ptrs, mask, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """Activations [ROWS, 8 * WORDS] as float32, taken apart by column within each word: the tuple
+    (x0, .., x7) of [ROWS, WORDS], xi[r, w] = a[r, 8 * w + i]."""
+    a = tl.reshape(tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32), (ROWS, WORDS, 2, 2, 2))
+    c0, c1 = tl.split(a)  # last axis: bit 0 of i
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    x0, x4 = tl.split(c0b0)
+    x2, x6 = tl.split(c0b1)
+    x1, x5 = tl.split(c1b0)
+    x3, x7 = tl.split(c1b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words):
+    """[ROWS, BLOCK_N, WORDS]: per row and word, the sum of its 8 values times their activations."""
+    acc = x0[:, None, :] * _nibble(words, 0)[None, :, :]
+    acc += x1[:, None, :] * _nibble(words, 1)[None, :, :]
+    acc += x2[:, None, :] * _nibble(words, 2)[None, :, :]
+    acc += x3[:, None, :] * _nibble(words, 3)[None, :, :]
+    acc += x4[:, None, :] * _nibble(words, 4)[None, :, :]
+    acc += x5[:, None, :] * _nibble(words, 5)[None, :, :]
+    acc += x6[:, None, :] * _nibble(words, 6)[None, :, :]
+    acc += x7[:, None, :] * _nibble(words, 7)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _weight_words(packed_ptr, scale_ptr, rows, word, mask, stride_pn, stride_sn, GROUP: tl.constexpr):
+    """(words int32, scales float32), both [BLOCK_N, WORDS], of weight rows `rows` at word columns `word`."""
+    words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)
+    scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
+    return words, scale.to(tl.float32)
+
+
+@triton.jit
+def _rows_times_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, stride_pn, stride_sn,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """a [ROWS, depth] (pointers at column 0) times the INT4 weight's rows offs_n ([out, depth / 8]
+    words): float32 [ROWS, BLOCK_N]."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    rows = offs_n.to(tl.int64)[:, None]
+    acc = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
+    for k0 in range(0, depth, BLOCK_K):
+        word = k0 // 8 + tl.arange(0, WORDS)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], row_ok[:, None] & (k < depth)[None, :], ROWS, WORDS)
+        words, scale = _weight_words(packed_ptr, scale_ptr, rows, word, col_ok[:, None] & (word * 8 < depth)[None, :],
+                                     stride_pn, stride_sn, GROUP)
+        acc += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def _swiglu_rows_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, hidden, inter, stride_pn, stride_sn,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """silu(a @ Wg) * (a @ Wu) for gate rows offs_n and up rows inter + offs_n: float32 [ROWS, BLOCK_N]."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    gate_rows = offs_n.to(tl.int64)[:, None]
+    up_rows = gate_rows + inter
+    acc_gate = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
+    acc_up = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        word = k0 // 8 + tl.arange(0, WORDS)
+        k = k0 + tl.arange(0, BLOCK_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], row_ok[:, None] & (k < hidden)[None, :], ROWS, WORDS)
+        mask = col_ok[:, None] & (word * 8 < hidden)[None, :]
+        words, scale = _weight_words(packed_ptr, scale_ptr, gate_rows, word, mask, stride_pn, stride_sn, GROUP)
+        acc_gate += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
+        words, scale = _weight_words(packed_ptr, scale_ptr, up_rows, word, mask, stride_pn, stride_sn, GROUP)
+        acc_up += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
+    gate = tl.sum(acc_gate, 2)
+    return gate * tl.sigmoid(gate) * tl.sum(acc_up, 2)
+
+
+@triton.jit
+def gate_up_rows_kernel(
+    x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, h_ptr, shared_gate_ptr, shared_up_ptr, scale_ptr,
+    num_pairs, num_experts, num_tokens, top_k, hidden, inter, routed_blocks, token_blocks,
+    stride_xt, stride_we, stride_wk, stride_hp, stride_shared, stride_se, stride_sn,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+):
+    """moe_kernels.gate_up_kernel (W4) with ROWS pairs per routed block; token_blocks counts blocks
+    of SHARED_M tokens."""
+    wait_for_producers(PDL)
+    pid_m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < inter
+    if pid_m < routed_blocks:
+        expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, ROWS, DIRECT)
+        if expert >= 0:
+            row_ok = pair < num_pairs
+            e = expert.to(tl.int64)
+            x_rows = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt
+            h = _swiglu_rows_w4(x_rows, row_ok, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, col_ok,
+                                hidden, inter, stride_wk, stride_sn, ROWS, BLOCK_N, BLOCK_K, GROUP)
+            h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
+            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, SHARED_M)
+        w_offs = (shared * inter + offs_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
+        h = swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
+                         shared_up_ptr + w_offs, BLOCK_K, row_ok, col_ok, hidden,
+                         SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+        row = num_pairs + shared * num_tokens + token
+        tl.store(h_ptr + row[:, None] * stride_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def down_rows_kernel(
+    h_ptr, w_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, shared_down_ptr, scale_ptr,
+    num_pairs, num_experts, num_tokens, inter, hidden, routed_blocks, token_blocks,
+    stride_hp, stride_we, stride_wk, stride_yp, stride_shared, stride_se, stride_sn,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+):
+    """moe_kernels.down_kernel (W4) with ROWS pairs per routed block (as gate_up_rows_kernel)."""
+    wait_for_producers(PDL)
+    pid_m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < hidden
+    if pid_m < routed_blocks:
+        expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, ROWS, DIRECT)
+        if expert >= 0:
+            row_ok = pair < num_pairs
+            row = tl.where(row_ok, pair, 0).to(tl.int64)
+            e = expert.to(tl.int64)
+            acc = _rows_times_w4(h_ptr + row[:, None] * stride_hp, row_ok, w_ptr + e * stride_we,
+                                 scale_ptr + e * stride_se, offs_n, col_ok, inter, stride_wk, stride_sn,
+                                 ROWS, BLOCK_N, BLOCK_K, GROUP)
+            weight = tl.load(weights_ptr + row, mask=row_ok, other=0.0)
+            tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
+                     mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, SHARED_M)
+        row = num_pairs + shared * num_tokens + token
+        w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
+        acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
+                          row_ok, col_ok, inter, SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+        tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])

@@ -25,6 +25,7 @@ from .launch import matmul_tile, wait_for_producers
 from .moe_kernels import routed_block, shared_rows, swiglu_tile
 
 SHARED_M = 16  # tokens per shared-expert program (tl.dot's minimum)
+_SHARED_M: tl.constexpr = tl.constexpr(SHARED_M)  # the kernels' copy
 
 
 @triton.jit
@@ -138,11 +139,11 @@ def gate_up_rows_kernel(
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, SHARED_M)
+        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
         w_offs = (shared * inter + offs_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
         h = swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
                          shared_up_ptr + w_offs, BLOCK_K, row_ok, col_ok, hidden,
-                         SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+                         _SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
         row = num_pairs + shared * num_tokens + token
         tl.store(h_ptr + row[:, None] * stride_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -175,9 +176,9 @@ def down_rows_kernel(
                      mask=row_ok[:, None] & col_ok[None, :])
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, SHARED_M)
+        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
         row = num_pairs + shared * num_tokens + token
         w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
         acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
-                          row_ok, col_ok, inter, SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+                          row_ok, col_ok, inter, _SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
         tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])

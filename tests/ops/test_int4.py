@@ -93,18 +93,21 @@ def test_int4_experts_equal_their_dequantized_twin(case, dtype, num_shared, kern
         assert_close(grouped, want, TOL[dtype])
 
 
-# (case, block_m, block_k): one token (direct mode) and aligned blocks of 1, 2 and 4 pairs; block_k
-# None is INT4_ROWS_TILES' (one masked K step at these widths), 16 and 32 several steps
-ROW_CASES = [(Case(1, 3, 7, 48, 32, seed=21), 1, None), (Case(1, 3, 7, 48, 32, seed=21), 2, 16),
-             (Case(5, 2, 4, 64, 24, seed=22), 1, 16), (Case(5, 2, 4, 64, 24, seed=22), 4, None),
-             (Case(24, 4, 6, 32, 40, route="all", seed=23), 2, None), (Case(24, 4, 6, 56, 40, route="all", seed=23), 4, 16),
-             (Case(3, 2, 4, 128, 128, seed=24), 2, 32)]
+# (case, block_m, block_n, block_k): one token (direct mode) and aligned blocks of 1, 2 and 4 pairs;
+# None is INT4_ROWS_TILES' (block_n 8: the shared experts' 16-column tiles in every other program;
+# block_k 256: one masked K step at these widths), block_k 16 and 32 several steps (unmasked, EVEN_K, where both widths are multiples)
+ROW_CASES = [(Case(1, 3, 7, 48, 32, seed=21), 1, None, None), (Case(1, 3, 7, 48, 32, seed=21), 2, 32, 16),
+             (Case(5, 2, 4, 64, 24, seed=22), 1, 16, 16), (Case(5, 2, 4, 64, 24, seed=22), 4, None, None),
+             (Case(10, 4, 6, 32, 40, route="all", seed=23), 2, None, None),
+             (Case(10, 4, 6, 48, 32, route="all", seed=23), 4, 16, 16), (Case(3, 2, 4, 32, 16, seed=24), 2, 4, 16),
+             (Case(2, 2, 4, 64, 32, seed=26), 1, 8, 32)]
 
 
-@pytest.mark.parametrize("case,block_m,block_k", ROW_CASES, ids=lambda v: str(v) if not isinstance(v, Case) else f"T{v.tokens}")
+@pytest.mark.parametrize("case,block_m,block_n,block_k", ROW_CASES,
+                         ids=lambda v: f"T{v.tokens}" if isinstance(v, Case) else str(v))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("num_shared", [0, 1])
-def test_int4_row_kernels_match_the_float64_loop(case, block_m, block_k, dtype, num_shared, kernel_device):
+def test_int4_row_kernels_match_the_float64_loop(case, block_m, block_n, block_k, dtype, num_shared, kernel_device):
     x, gate_up, down, weights, ids = int4_experts(case, dtype, kernel_device)
     shared = make_shared(case, num_shared, dtype, kernel_device) if num_shared else None
     on_cpu = None if shared is None else SharedExperts(*(t.cpu() for t in (shared.gate, shared.up, shared.down)))
@@ -120,7 +123,8 @@ def test_int4_row_kernels_match_the_float64_loop(case, block_m, block_k, dtype, 
     ws.sorted_pairs.fill_(POISON_INT)
     for buf in (ws.h, ws.y):
         buf.fill_(float("nan"))
-    got = fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m, block_k=block_k)
+    got = fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m, block_n=block_n,
+                    block_k=block_k)
     assert_close(got, want, TOL[dtype])
 
 

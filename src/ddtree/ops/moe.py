@@ -49,9 +49,11 @@ MIN_PROGRAMS = 128
 # their programs unpack words rather than wait on memory, so more of them must run at once.
 INT4_TILES = (32, 128)
 # INT4 experts at up to INT4_ROWS_MAX pairs per expert (mean, a power of two): the row kernels
-# (moe_int4_rows.py), in blocks of that many pairs, with tiles (BLOCK_N, BLOCK_K) INT4_ROWS_TILES.
+# (moe_int4_rows.py), in blocks of that many pairs, with tiles (BLOCK_N, BLOCK_K) INT4_ROWS_TILES
+# (dev/int4_gemv_variants.py: the narrow tile of 256 columns and 2 warps ran a one-row GEMV fastest).
 INT4_ROWS_MAX = 4
-INT4_ROWS_TILES = (32, 256)
+INT4_ROWS_TILES = (8, 256)
+INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
@@ -234,7 +236,8 @@ def fused_moe(
         wide_n, wide_k = tiles_for(ids.numel() + num_shared * tokens, inter)
     block_n = wide_n if block_n is None else block_n
     block_k = wide_k if block_k is None else block_k
-    for name, size, least in (("block_m", block_m, 1 if int4 else 16), ("block_n", block_n, 16),
+    rows = block_m < 16  # the row kernels (INT4): any power of two of rows and output columns
+    for name, size, least in (("block_m", block_m, 1 if int4 else 16), ("block_n", block_n, 1 if rows else 16),
                               ("block_k", block_k, 16)):
         if size < least or size & (size - 1):
             raise ValueError(f"{name} must be a power of two >= {least}, got {size}")
@@ -283,13 +286,15 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
     # without shared experts their branch never runs, but it compiles: a stand-in of the activations' dtype
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
     flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, GROUP=w_gate_up.group_size if int4 else 32,
-                 **launch_flags(x.device, pdl))
-    tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, **launch_flags(x.device, pdl))
+    tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=INT4_ROWS_WARPS if rows else NUM_WARPS,
+                 num_stages=NUM_STAGES)
     if rows:
-        gate_up_launch, down_launch, tiles["ROWS"] = gate_up_rows_kernel, down_rows_kernel, block_m
+        gate_up_launch, down_launch = gate_up_rows_kernel, down_rows_kernel
+        tiles.update(ROWS=block_m, SHARED_N=max(16, block_n))
     else:
         gate_up_launch, down_launch, tiles["BLOCK_M"] = gate_up_kernel, down_kernel, block_m
-        flags.update(W4=int4, EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0)
+        flags["W4"] = int4
     gate_up_launch[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
         num_pairs, experts, tokens, top_k, hidden, inter, routed_blocks, token_blocks,

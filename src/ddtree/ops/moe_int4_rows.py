@@ -11,7 +11,8 @@ The activations' columns are taken apart to match with tl.split (no gather). Sum
 throughout and the weights are not rounded to 16 bits, so the result differs from the dequantized
 twin's in the last bits (more accurate, not equal).
 
-The shared experts (16-bit) keep moe_kernels' tl.dot tiles of SHARED_M tokens in the same launches;
+The shared experts (16-bit) keep moe_kernels' tl.dot tiles of SHARED_M tokens by SHARED_N = max(16,
+BLOCK_N) columns in the same launches (programs past their columns exit);
 the routed blocks hold ROWS pairs (moe_align with block_m = ROWS, or one pair each in DIRECT mode).
 Row layout of h and y, arguments and sums as moe_kernels' gate_up_kernel and down_kernel.
 """
@@ -74,26 +75,38 @@ def _weight_words(packed_ptr, scale_ptr, rows, word, mask, stride_pn, stride_sn,
 
 
 @triton.jit
+def _masks(row_ok, col_ok, k, word, depth, EVEN_K: tl.constexpr):
+    """(activations' mask [ROWS, BLOCK_K], words' mask [BLOCK_N, WORDS]) of one K step."""
+    if EVEN_K:
+        return (tl.broadcast_to(row_ok[:, None], (row_ok.shape[0], k.shape[0])),
+                tl.broadcast_to(col_ok[:, None], (col_ok.shape[0], word.shape[0])))
+    return row_ok[:, None] & (k < depth)[None, :], col_ok[:, None] & (word * 8 < depth)[None, :]
+
+
+@triton.jit
 def _rows_times_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, stride_pn, stride_sn,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                   EVEN_K: tl.constexpr):
     """a [ROWS, depth] (pointers at column 0) times the INT4 weight's rows offs_n ([out, depth / 8]
-    words): float32 [ROWS, BLOCK_N]."""
+    words): float32 [ROWS, BLOCK_N]. EVEN_K: depth is a multiple of BLOCK_K (no column masked, so
+    the words and activations load as 16-byte vectors)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = offs_n.to(tl.int64)[:, None]
     acc = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
         word = k0 // 8 + tl.arange(0, WORDS)
         k = k0 + tl.arange(0, BLOCK_K)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], row_ok[:, None] & (k < depth)[None, :], ROWS, WORDS)
-        words, scale = _weight_words(packed_ptr, scale_ptr, rows, word, col_ok[:, None] & (word * 8 < depth)[None, :],
-                                     stride_pn, stride_sn, GROUP)
+        x_mask, w_mask = _masks(row_ok, col_ok, k, word, depth, EVEN_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], x_mask, ROWS, WORDS)
+        words, scale = _weight_words(packed_ptr, scale_ptr, rows, word, w_mask, stride_pn, stride_sn, GROUP)
         acc += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
     return tl.sum(acc, 2)
 
 
 @triton.jit
 def _swiglu_rows_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, hidden, inter, stride_pn, stride_sn,
-                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                    EVEN_K: tl.constexpr):
     """silu(a @ Wg) * (a @ Wu) for gate rows offs_n and up rows inter + offs_n: float32 [ROWS, BLOCK_N]."""
     WORDS: tl.constexpr = BLOCK_K // 8
     gate_rows = offs_n.to(tl.int64)[:, None]
@@ -103,8 +116,8 @@ def _swiglu_rows_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, hidden
     for k0 in range(0, hidden, BLOCK_K):
         word = k0 // 8 + tl.arange(0, WORDS)
         k = k0 + tl.arange(0, BLOCK_K)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], row_ok[:, None] & (k < hidden)[None, :], ROWS, WORDS)
-        mask = col_ok[:, None] & (word * 8 < hidden)[None, :]
+        x_mask, mask = _masks(row_ok, col_ok, k, word, hidden, EVEN_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], x_mask, ROWS, WORDS)
         words, scale = _weight_words(packed_ptr, scale_ptr, gate_rows, word, mask, stride_pn, stride_sn, GROUP)
         acc_gate += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
         words, scale = _weight_words(packed_ptr, scale_ptr, up_rows, word, mask, stride_pn, stride_sn, GROUP)
@@ -119,10 +132,11 @@ def gate_up_rows_kernel(
     num_pairs, num_experts, num_tokens, top_k, hidden, inter, routed_blocks, token_blocks,
     stride_xt, stride_we, stride_wk, stride_hp, stride_shared, stride_se, stride_sn,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    SHARED_N: tl.constexpr,
 ):
     """moe_kernels.gate_up_kernel (W4) with ROWS pairs per routed block; token_blocks counts blocks
-    of SHARED_M tokens."""
+    of SHARED_M tokens; EVEN_K: hidden and inter are multiples of BLOCK_K."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,16 +148,18 @@ def gate_up_rows_kernel(
             e = expert.to(tl.int64)
             x_rows = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt
             h = _swiglu_rows_w4(x_rows, row_ok, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, col_ok,
-                                hidden, inter, stride_wk, stride_sn, ROWS, BLOCK_N, BLOCK_K, GROUP)
+                                hidden, inter, stride_wk, stride_sn, ROWS, BLOCK_N, BLOCK_K, GROUP, EVEN_K)
             h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    else:
+    elif tl.program_id(1) * SHARED_N < inter:  # shared tiles of SHARED_N >= 16 columns (tl.dot's least)
+        offs_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
+        col_ok = offs_n < inter
         offs_k = tl.arange(0, BLOCK_K)
         shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
         w_offs = (shared * inter + offs_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
         h = swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
                          shared_up_ptr + w_offs, BLOCK_K, row_ok, col_ok, hidden,
-                         _SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+                         _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
         row = num_pairs + shared * num_tokens + token
         tl.store(h_ptr + row[:, None] * stride_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -155,7 +171,8 @@ def down_rows_kernel(
     num_pairs, num_experts, num_tokens, inter, hidden, routed_blocks, token_blocks,
     stride_hp, stride_we, stride_wk, stride_yp, stride_shared, stride_se, stride_sn,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    SHARED_N: tl.constexpr,
 ):
     """moe_kernels.down_kernel (W4) with ROWS pairs per routed block (as gate_up_rows_kernel)."""
     wait_for_producers(PDL)
@@ -170,15 +187,17 @@ def down_rows_kernel(
             e = expert.to(tl.int64)
             acc = _rows_times_w4(h_ptr + row[:, None] * stride_hp, row_ok, w_ptr + e * stride_we,
                                  scale_ptr + e * stride_se, offs_n, col_ok, inter, stride_wk, stride_sn,
-                                 ROWS, BLOCK_N, BLOCK_K, GROUP)
+                                 ROWS, BLOCK_N, BLOCK_K, GROUP, EVEN_K)
             weight = tl.load(weights_ptr + row, mask=row_ok, other=0.0)
             tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
                      mask=row_ok[:, None] & col_ok[None, :])
-    else:
+    elif tl.program_id(1) * SHARED_N < hidden:  # as in gate_up_rows_kernel
+        offs_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
+        col_ok = offs_n < hidden
         offs_k = tl.arange(0, BLOCK_K)
         shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
         row = num_pairs + shared * num_tokens + token
         w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
         acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
-                          row_ok, col_ok, inter, _SHARED_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+                          row_ok, col_ok, inter, _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
         tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])

@@ -152,17 +152,17 @@ def gate_up_rows_kernel(
             h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     elif tl.program_id(1) * SHARED_N < inter:  # shared tiles of SHARED_N >= 16 columns (tl.dot's least)
-        offs_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
-        col_ok = offs_n < inter
+        shared_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
+        shared_ok = shared_n < inter
         offs_k = tl.arange(0, BLOCK_K)
         shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
-        w_offs = (shared * inter + offs_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
+        w_offs = (shared * inter + shared_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
         h = swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
-                         shared_up_ptr + w_offs, BLOCK_K, row_ok, col_ok, hidden,
+                         shared_up_ptr + w_offs, BLOCK_K, row_ok, shared_ok, hidden,
                          _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
         row = num_pairs + shared * num_tokens + token
-        tl.store(h_ptr + row[:, None] * stride_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(h_ptr + row[:, None] * stride_hp + shared_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & shared_ok[None, :])
 
 
 @triton.jit
@@ -192,12 +192,12 @@ def down_rows_kernel(
             tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
                      mask=row_ok[:, None] & col_ok[None, :])
     elif tl.program_id(1) * SHARED_N < hidden:  # as in gate_up_rows_kernel
-        offs_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
-        col_ok = offs_n < hidden
+        shared_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
+        shared_ok = shared_n < hidden
         offs_k = tl.arange(0, BLOCK_K)
         shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
         row = num_pairs + shared * num_tokens + token
-        w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
+        w_ptrs = shared_down_ptr + shared_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
         acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
-                          row_ok, col_ok, inter, _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
-        tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+                          row_ok, shared_ok, inter, _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
+        tl.store(y_ptr + row[:, None] * stride_yp + shared_n[None, :], acc, mask=row_ok[:, None] & shared_ok[None, :])

@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ddtree.ops import moe as fused_moe
-from ddtree.ops import moe_align
+from ddtree.ops import moe_align, moe_int4_rows
 from ddtree.ops import moe_kernels as fused_moe_kernels
 
 from ..sm90_assembly import assemble, waits_before_memory
@@ -59,7 +59,8 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
 
 def all_reports() -> dict[str, dict]:
     """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
-    alignment, and with INT4 experts in groups of 32); the alignment at 64 tokens x 8 of 384 experts."""
+    alignment, and with INT4 experts in groups of 32; the INT4 row kernels); the alignment at 64
+    tokens x 8 of 384 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
                  DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False)
@@ -72,6 +73,10 @@ def all_reports() -> dict[str, dict]:
     direct = dict(tiles, DIRECT=True)
     tiles = dict(tiles, DIRECT=False)
     int4 = dict(tiles, W4=True, EVEN_K=True)  # Kimi K2.6's hidden and inter are multiples of BLOCK_K
+    block_n, block_k = fused_moe.INT4_ROWS_TILES
+    rows = dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP=32, DOT_F32=False, PRECISION="tf32", EVEN_K=True,
+                SHARED_N=max(16, block_n))
+    rows_launch = dict(num_warps=fused_moe.INT4_ROWS_WARPS, num_stages=fused_moe.NUM_STAGES)
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
                                 dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
@@ -84,6 +89,12 @@ def all_reports() -> dict[str, dict]:
         "gate_up_int4": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), int4,
                                        **gemm),
         "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
+        # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two
+        "gate_up_rows": compile_report(moe_int4_rows.gate_up_rows_kernel,
+                                       dict(gate_up_pointers, w_ptr="*i32", block_expert_ptr="*i64"),
+                                       dict(rows, ROWS=1, DIRECT=True), **rows_launch),
+        "down_rows": compile_report(moe_int4_rows.down_rows_kernel, dict(down_pointers, w_ptr="*i32"),
+                                    dict(rows, ROWS=2, DIRECT=False), **rows_launch),
         "sum": compile_report(fused_moe_kernels.sum_choices_kernel, dict(y_ptr="*fp32", ids_ptr="*i64", out_ptr=dtype),
                               dict(TOP_K=8, SHARED=1, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
     }

@@ -31,10 +31,17 @@ def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
             assert report["word_vector_copies"] > 0, (name, report)
 
 
+def test_int4_row_kernels_read_words_as_vectors(reports):
+    """The row kernels multiply on the CUDA cores (tl.dot only in their shared experts' branch) and
+    copy each row's packed words 16 bytes at a time."""
+    for name in ("gate_up_rows", "down_rows"):
+        assert reports[name]["word_vector_copies"] > 0, (name, reports[name])
+
+
 def test_every_kernel_waits_for_its_producer_first(reports):
     """Launched with programmatic dependent launch on the H200 (ops/launch.py): each kernel's PTX has
     the grid-dependency wait that keeps it from reading its inputs before the previous kernel ends."""
     assert set(reports) == {"align", "gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
-                            "sum"}
+                            "gate_up_rows", "down_rows", "sum"}
     for name, report in reports.items():
         assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)

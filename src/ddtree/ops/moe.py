@@ -50,9 +50,10 @@ MIN_PROGRAMS = 128
 INT4_TILES = (32, 128)
 # INT4 experts at up to INT4_ROWS_MAX pairs per expert (mean, a power of two): the row kernels
 # (moe_int4_rows.py), in blocks of that many pairs, with tiles (BLOCK_N, BLOCK_K) INT4_ROWS_TILES
-# (dev/int4_gemv_variants.py: the narrow tile of 256 columns and 2 warps ran a one-row GEMV fastest).
+# (results/moe_paths-kimi-k2.6-int4-rows-*: 1 x 16 x 256 and 2 x 16 x 256 with 2 warps ran fastest at 1, 9
+# and 65 rows; dev/int4_gemv_variants: 256 columns and 2 warps ran a one-row GEMV fastest).
 INT4_ROWS_MAX = 4
-INT4_ROWS_TILES = (8, 256)
+INT4_ROWS_TILES = (16, 256)
 INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3

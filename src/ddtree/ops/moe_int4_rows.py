@@ -75,11 +75,16 @@ def _weight_words(packed_ptr, scale_ptr, rows, word, mask, stride_pn, stride_sn,
 
 
 @triton.jit
-def _masks(row_ok, col_ok, k, word, depth, EVEN_K: tl.constexpr):
-    """(activations' mask [ROWS, BLOCK_K], words' mask [BLOCK_N, WORDS]) of one K step."""
+def _masks(row_ok, col_ok, k0, depth, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           EVEN_K: tl.constexpr):
+    """(activations' mask [ROWS, BLOCK_K], words' mask [BLOCK_N, BLOCK_K / 8]) of the K step at k0;
+    EVEN_K: the step is whole or past the end, one condition for all its columns (16-byte loads)."""
     if EVEN_K:
-        return (tl.broadcast_to(row_ok[:, None], (row_ok.shape[0], k.shape[0])),
-                tl.broadcast_to(col_ok[:, None], (col_ok.shape[0], word.shape[0])))
+        inside = k0 < depth
+        return (tl.broadcast_to(row_ok[:, None] & inside, (ROWS, BLOCK_K)),
+                tl.broadcast_to(col_ok[:, None] & inside, (BLOCK_N, BLOCK_K // 8)))
+    k = k0 + tl.arange(0, BLOCK_K)
+    word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     return row_ok[:, None] & (k < depth)[None, :], col_ok[:, None] & (word * 8 < depth)[None, :]
 
 
@@ -88,18 +93,22 @@ def _rows_times_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, 
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                    EVEN_K: tl.constexpr):
     """a [ROWS, depth] (pointers at column 0) times the INT4 weight's rows offs_n ([out, depth / 8]
-    words): float32 [ROWS, BLOCK_N]. EVEN_K: depth is a multiple of BLOCK_K (no column masked, so
-    the words and activations load as 16-byte vectors)."""
+    words): float32 [ROWS, BLOCK_N]. EVEN_K: depth is a multiple of BLOCK_K. Each step loads the
+    next step's words before it multiplies its own (two steps' reads in flight)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = offs_n.to(tl.int64)[:, None]
+    words_at = tl.arange(0, WORDS)
+    _, w_mask = _masks(row_ok, col_ok, 0, depth, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+    words, scale = _weight_words(packed_ptr, scale_ptr, rows, words_at, w_mask, stride_pn, stride_sn, GROUP)
     acc = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
-        word = k0 // 8 + tl.arange(0, WORDS)
-        k = k0 + tl.arange(0, BLOCK_K)
-        x_mask, w_mask = _masks(row_ok, col_ok, k, word, depth, EVEN_K)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], x_mask, ROWS, WORDS)
-        words, scale = _weight_words(packed_ptr, scale_ptr, rows, word, w_mask, stride_pn, stride_sn, GROUP)
+        x_mask, _ = _masks(row_ok, col_ok, k0, depth, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        _, next_mask = _masks(row_ok, col_ok, k0 + BLOCK_K, depth, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        next_words, next_scale = _weight_words(packed_ptr, scale_ptr, rows, (k0 + BLOCK_K) // 8 + words_at, next_mask,
+                                               stride_pn, stride_sn, GROUP)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + (k0 + tl.arange(0, BLOCK_K))[None, :], x_mask, ROWS, WORDS)
         acc += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
+        words, scale = next_words, next_scale
     return tl.sum(acc, 2)
 
 
@@ -107,21 +116,30 @@ def _rows_times_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, 
 def _swiglu_rows_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, hidden, inter, stride_pn, stride_sn,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                     EVEN_K: tl.constexpr):
-    """silu(a @ Wg) * (a @ Wu) for gate rows offs_n and up rows inter + offs_n: float32 [ROWS, BLOCK_N]."""
+    """silu(a @ Wg) * (a @ Wu) for gate rows offs_n and up rows inter + offs_n: float32 [ROWS, BLOCK_N]
+    (the next step's words loaded ahead, as in _rows_times_w4)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     gate_rows = offs_n.to(tl.int64)[:, None]
     up_rows = gate_rows + inter
+    words_at = tl.arange(0, WORDS)
+    _, w_mask = _masks(row_ok, col_ok, 0, hidden, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+    gate_words, gate_scale = _weight_words(packed_ptr, scale_ptr, gate_rows, words_at, w_mask, stride_pn, stride_sn,
+                                           GROUP)
+    up_words, up_scale = _weight_words(packed_ptr, scale_ptr, up_rows, words_at, w_mask, stride_pn, stride_sn, GROUP)
     acc_gate = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
     acc_up = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        word = k0 // 8 + tl.arange(0, WORDS)
-        k = k0 + tl.arange(0, BLOCK_K)
-        x_mask, mask = _masks(row_ok, col_ok, k, word, hidden, EVEN_K)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + k[None, :], x_mask, ROWS, WORDS)
-        words, scale = _weight_words(packed_ptr, scale_ptr, gate_rows, word, mask, stride_pn, stride_sn, GROUP)
-        acc_gate += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
-        words, scale = _weight_words(packed_ptr, scale_ptr, up_rows, word, mask, stride_pn, stride_sn, GROUP)
-        acc_up += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
+        x_mask, _ = _masks(row_ok, col_ok, k0, hidden, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        _, next_mask = _masks(row_ok, col_ok, k0 + BLOCK_K, hidden, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        next_word = (k0 + BLOCK_K) // 8 + words_at
+        next_gate, next_gate_scale = _weight_words(packed_ptr, scale_ptr, gate_rows, next_word, next_mask, stride_pn,
+                                                   stride_sn, GROUP)
+        next_up, next_up_scale = _weight_words(packed_ptr, scale_ptr, up_rows, next_word, next_mask, stride_pn,
+                                               stride_sn, GROUP)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + (k0 + tl.arange(0, BLOCK_K))[None, :], x_mask, ROWS, WORDS)
+        acc_gate += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, gate_words) * gate_scale[None, :, :]
+        acc_up += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, up_words) * up_scale[None, :, :]
+        gate_words, gate_scale, up_words, up_scale = next_gate, next_gate_scale, next_up, next_up_scale
     gate = tl.sum(acc_gate, 2)
     return gate * tl.sigmoid(gate) * tl.sum(acc_up, 2)
 

@@ -25,7 +25,8 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
                    not_divisible: tuple[str, ...] = ()) -> dict:
     """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n,
     "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait,
-    "waits_first": the first wait comes before any global memory access, "word_vector_copies": n} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
+    "waits_first": the first wait comes before any global memory access, "word_vector_copies": n,
+    "vector_loads": n} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
     Triton types ("*bf16", "fp32"); not_divisible: more arguments not specialized as 16-divisible.
     A kernel with a PDL constexpr is compiled with it on, as an H200 launches it (ops/launch.py)."""
     if "PDL" in fn.arg_names:
@@ -51,6 +52,8 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         # INT4 words copied 16 bytes at a time (4 adjacent int32 per copy)
         "word_vector_copies": len(re.findall(r"async_copy_global_to_local.*\{contiguity = (?:4|8) : i32\} : "
                                              r"tensor<[0-9x]+!tt\.ptr<i32>", compiled.asm["ttgir"])),
+        # 16-byte loads straight into registers (the row kernels' words and activations)
+        "vector_loads": len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.b32\b", compiled.asm["ptx"])),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
         "waits_first": waits_before_memory(compiled.asm["ptx"]),

@@ -89,6 +89,20 @@ def gemv_kernel(x_ptr, xp_ptr, packed_ptr, scale_ptr, y_ptr, K, GROUP: tl.conste
     tl.store(y_ptr + offs_n, tl.sum(acc, 1))
 
 
+def markdown(report: dict) -> str:
+    """The results as a markdown table (environment first), sorted by variant, then time."""
+    lines = ["# int4_gemv_variants", ""] + [f"- {k}: {v}" for k, v in report["environment"].items()]
+    lines += ["", f"One-row INT4 GEMV y = W x, W {report['rows']} x {report['depth']} packed as compressed-tensors "
+              f"packs it, {report['bytes'] / 1e6:.1f} MB stored; read floor {report['floor_us']:.1f} us at the measured "
+              f"copy bandwidth {report['ceilings']['copy_bandwidth_GBps']:.0f} GB/s. Times: median of CUDA-graph "
+              "replays. `read` computes no product (its rel err is meaningless).", "",
+              "| variant | BLOCK_N | BLOCK_K | warps | us | / floor | rel err |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(report["results"], key=lambda r: (r["variant"], r["us"])):
+        lines.append(f"| {r['variant']} | {r['block_n']} | {r['block_k']} | {r['warps']} | {r['us']:.1f} | "
+                     f"{r['over_floor']:.2f} | {r['rel_err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=8 * 4096)
@@ -98,7 +112,11 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--markdown-from", type=Path, default=None, help="a results JSON: write its .md beside it")
     args = parser.parse_args()
+    if args.markdown_from:
+        args.markdown_from.with_suffix(".md").write_text(markdown(json.loads(args.markdown_from.read_text())))
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     w = quantize_int4(torch.randn(1, args.rows, args.depth, generator=gen), 32)
@@ -135,6 +153,8 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "int4_gemv_variants.json").write_text(json.dumps(report, indent=1))
+        if device == "cuda":
+            (args.out / "int4_gemv_variants.md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

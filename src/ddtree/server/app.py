@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus
 /health and /metrics, over one Engine driven by the scheduler thread.
 
-`create_app(engine, ServerConfig(...))` builds it; the app's lifespan starts and stops the
-scheduler, so any ASGI server runs it (`ddtree serve` uses uvicorn).
+`create_app(engine, ServerConfig(...))` builds it over an Engine (a scheduler thread in this
+process) or over an EngineCore (engine_core.py: the engine in a process of its own, as `ddtree
+serve` runs it); the app's lifespan starts and stops either, so any ASGI server runs it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .limits import Limits
 from .metrics import Metrics
 from .prompts import has_chat_template
 from .protocol import ChatCompletionRequest, CompletionRequest, DDTreeOptions
+from .engine_core import EngineCore
 from .scheduler import Scheduler
 
 log = logging.getLogger("ddtree.server")
@@ -56,20 +58,33 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
 
 
+def engine_facts(engine) -> dict:
+    """What the HTTP side needs to know of an Engine (an EngineCore's core sends it)."""
+    return dict(has_drafter=engine.drafter is not None, max_budget=engine.max_budget,
+                max_model_len=engine.max_model_len, chat_template=has_chat_template(engine.tokenizer))
+
+
 def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
-    """The ASGI app serving `engine` (an ddtree Engine, used by the scheduler thread only)."""
+    """The ASGI app serving `engine`: an ddtree Engine (used by a scheduler thread only), or a
+    launched EngineCore (its `facts` hold engine_facts' keys; its limits and queue are its own)."""
     config = config or ServerConfig()
-    if config.default_mode != "ar" and engine.drafter is None:
+    metrics = Metrics()
+    if isinstance(engine, EngineCore):
+        facts, scheduler = engine.facts, engine
+        engine.metrics = metrics
+    else:
+        facts = engine_facts(engine)
+        scheduler = Scheduler(engine, metrics, max_queue=config.max_queue, limits=config.limits)
+    if config.default_mode != "ar" and not facts["has_drafter"]:
         raise ValueError(f"default mode {config.default_mode!r} needs a drafter; this engine has none (use ar)")
     budget = config.default_budget
-    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= engine.max_budget):
-        raise ValueError(f'default budget must be "auto" or an int in [1, {engine.max_budget}], got {budget!r}')
-    metrics = Metrics()
-    scheduler = Scheduler(engine, metrics, max_queue=config.max_queue, limits=config.limits)
+    if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                             or not 1 <= budget <= facts["max_budget"]):
+        raise ValueError(f'default budget must be "auto" or an int in [1, {facts["max_budget"]}], got {budget!r}')
     state = SimpleNamespace(
-        config=config, metrics=metrics, scheduler=scheduler, streams=0,
-        has_drafter=engine.drafter is not None, max_budget=engine.max_budget, max_model_len=engine.max_model_len,
-        chat_template=has_chat_template(engine.tokenizer), created=int(time.time()))
+        config=config, metrics=metrics, scheduler=scheduler, streams=0, has_drafter=facts["has_drafter"],
+        max_budget=facts["max_budget"], max_model_len=facts["max_model_len"], chat_template=facts["chat_template"],
+        created=int(time.time()))
 
     @asynccontextmanager
     async def lifespan(_app):

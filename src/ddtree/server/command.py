@@ -68,6 +68,9 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
                      help="a stream whose client reads nothing this long is aborted")
     ops.add_argument("--drain-seconds", type=positive(float), default=30.0,
                      help="on SIGTERM / SIGINT: how long running requests may finish before they are failed")
+    ops.add_argument("--single-process", action="store_true",
+                     help="run the engine in the HTTP server's process (a scheduler thread) instead of a process "
+                          "of its own")
     return p
 
 
@@ -123,13 +126,55 @@ def serve(args) -> int:
             sock.close()
 
 
-def _serve_on(sockets, args, keys) -> int:
-    """serve's part after the sockets are taken: load, measure, serve."""
-    import uvicorn
-
+def load_for_serving(args):
+    """The engine serve runs (in the engine-core process unless --single-process), with its round
+    costs for budget auto ready: kept, loaded or measured before any request waits for them."""
     from ..engine.kept_costs import table_path
     from ..engine.loading import resolve_device
+
+    # before the engine is built: its round costs (kept or measured) are for the threads it serves with
+    leave_a_core_to_the_server(resolve_device(args.device))
+    engine = load_engine(args, round_costs=args.round_costs, kept_costs="fresh" if args.fresh_costs else "use")
+    print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
+    if engine.sizer is None:
+        return engine
+    start = time.perf_counter()
+    missing = engine.unmeasured_buckets()
+    if missing:
+        print(f"ddtree serve: measuring round costs for budget auto at batch buckets {missing} x tree sizes "
+              f"{list(engine.sizer.sizes)} before serving (once per pair and device: the table is kept; "
+              f"a smaller --max-batch measures fewer buckets; --round-costs FILE skips it)",
+              file=sys.stderr, flush=True)
+    try:
+        engine.measure_round_costs(progress=True)
+        kept = table_path(engine.signature) if engine.kept_costs != "off" else None
+        print(f"ddtree serve: round costs for batches up to {engine.max_batch} ready in "
+              f"{time.perf_counter() - start:.1f} s" + (f" (kept in {kept})" if kept else ""),
+              file=sys.stderr, flush=True)
+    except (ValueError, RuntimeError) as err:  # fixed budgets and ar work without them
+        engine.sizer.failure = str(err)
+        print(f"ddtree serve: warning: round costs could not be measured ({err}); budget auto takes the "
+              "smallest tree (a fixed --budget, or --round-costs from ddtree profile, avoids it)",
+              file=sys.stderr, flush=True)
+    return engine
+
+
+def serving_facts(engine) -> dict:
+    """engine_facts and what serve's start-up line and /health report of the engine."""
+    from .app import engine_facts
+
+    return {**engine_facts(engine), "metadata": _metadata(engine, engine.target.embed_tokens.weight.dtype),
+            "device": str(engine.device), "max_batch": engine.max_batch, "num_pages": engine.blocks.num_pages}
+
+
+def _serve_on(sockets, args, keys) -> int:
+    """serve's part after the sockets are taken: load (in the engine-core process), then serve."""
+    import functools
+
+    import uvicorn
+
     from .app import ServerConfig, create_app
+    from .engine_core import EngineCore
     from .limits import Limits
     from .shutdown import DrainingServer
 
@@ -137,40 +182,37 @@ def _serve_on(sockets, args, keys) -> int:
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
                     body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
     args.max_batch = args.max_batch or serving_batch(args.device)
-    # before the engine is built: its round costs (kept or measured) are for the threads it serves with
-    leave_a_core_to_the_server(resolve_device(args.device))
-    engine = load_engine(args, round_costs=args.round_costs, kept_costs="fresh" if args.fresh_costs else "use")
-    print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
-    if engine.sizer is not None:  # before the server is ready: no request waits for the measurement
-        start = time.perf_counter()
-        missing = engine.unmeasured_buckets()
-        if missing:
-            print(f"ddtree serve: measuring round costs for budget auto at batch buckets {missing} x tree sizes "
-                  f"{list(engine.sizer.sizes)} before serving (once per pair and device: the table is kept; "
-                  f"a smaller --max-batch measures fewer buckets; --round-costs FILE skips it)",
-                  file=sys.stderr, flush=True)
-        try:
-            engine.measure_round_costs(progress=True)
-            kept = table_path(engine.signature) if engine.kept_costs != "off" else None
-            print(f"ddtree serve: round costs for batches up to {engine.max_batch} ready in "
-                  f"{time.perf_counter() - start:.1f} s" + (f" (kept in {kept})" if kept else ""),
-                  file=sys.stderr, flush=True)
-        except (ValueError, RuntimeError) as err:  # fixed budgets and ar work without them
-            engine.sizer.failure = str(err)
-            print(f"ddtree serve: warning: round costs could not be measured ({err}); budget auto takes the "
-                  "smallest tree (a fixed --budget, or --round-costs from ddtree profile, avoids it)",
-                  file=sys.stderr, flush=True)
+    if args.single_process:
+        engine = load_for_serving(args)
+        facts = serving_facts(engine)
+    else:
+        engine = EngineCore(functools.partial(load_for_serving, args), serving_facts, max_queue=args.max_queue,
+                            limits=limits)
+        facts = engine.launch()
+        engine.on_death = _exit_on_signal
     name = args.served_model_name or (Path(args.target).resolve().name if args.target else "ddtree-demo")
     config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
-                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                          metadata=_metadata(engine, engine.target.embed_tokens.weight.dtype),
+                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, metadata=facts["metadata"],
                           api_keys=keys, metrics_need_key=args.protect_metrics, limits=limits)
     app = create_app(engine, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    print(f"ddtree serve: {name} on {config.metadata['device_name']} ({engine.device}), modes "
-          f"{'ar, chain, ddtree' if engine.drafter is not None else 'ar'}, max_batch {engine.max_batch}, "
-          f"{engine.blocks.num_pages} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}; "
-          f"{urls(sockets)}", file=sys.stderr, flush=True)
+    print(f"ddtree serve: {name} on {facts['metadata']['device_name']} ({facts['device']}), modes "
+          f"{'ar, chain, ddtree' if facts['has_drafter'] else 'ar'}, max_batch {facts['max_batch']}, "
+          f"{facts['num_pages']} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}"
+          f"{'' if args.single_process else f', engine process {engine.pid}'}; {urls(sockets)}",
+          file=sys.stderr, flush=True)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run(sockets=sockets)
+    died = getattr(engine, "died", None)
+    if died:
+        print(f"ddtree serve: error: {died}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def _exit_on_signal() -> None:
+    """The engine process died: shut the server down as SIGTERM would (its requests have failed)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)

@@ -26,6 +26,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
+    def __reduce__(self):  # pickled whole: the engine-core process sends its errors to the HTTP process
+        return type(self), (self.status, self.message), {"param": self.param, "code": self.code, "headers": self.headers}
+
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"  # OpenAI's two types
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}

@@ -52,11 +52,14 @@ class _Live:
 
 class Scheduler:
     def __init__(self, engine, metrics: Metrics, *, max_queue: int = 256, idle_wait_s: float = 0.1,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, on_turn=None, handle_of=None):
         """engine: an Engine used from this scheduler's thread only; max_queue: requests accepted
         but not yet in the batch (inbox + the engine's waiting queue) before submit refuses;
-        limits: prompt length and request deadline (the rest is the HTTP side's)."""
+        limits: prompt length and request deadline (the rest is the HTTP side's). In an engine-core
+        process (engine_core.py): on_turn(snapshot) ends every turn of the loop, and handle_of(id)
+        makes the handles that submit returns."""
         self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
+        self.on_turn, self.handle_of = on_turn, handle_of
         self.limits = limits or Limits()
         self._draining = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,10 +107,10 @@ class Scheduler:
         """Nothing accepted is waiting or running (read from the last snapshot and the queue count)."""
         return self._queued == 0 and self.snapshot.get("running", 0) == 0 and self.snapshot.get("live", 0) == 0
 
-    def submit(self, job: Job, loop) -> Handle:
-        """Queue a job; its events arrive in the returned handle. Raises QueueFull, or
+    def submit(self, job: Job, loop=None) -> Handle:
+        """Queue a job; its events arrive in the returned handle (on `loop`). Raises QueueFull, or
         RuntimeError once the scheduler is stopping."""
-        handle = Handle(job.request_id, loop)
+        handle = Handle(job.request_id, loop) if self.handle_of is None else self.handle_of(job.request_id)
         with self._lock:  # the stop check and the put together: stop() cannot fall between them
             if self._stop.is_set() or self._draining.is_set():
                 raise RuntimeError("the server is shutting down")
@@ -138,10 +141,14 @@ class Scheduler:
                 for rid in list(self._live):
                     self._fail(rid, internal_error(rid))
             self._publish()
+            if self.on_turn is not None:
+                self.on_turn(self.snapshot)
         for rid in list(self._live):  # shutting down
             self._fail(rid, APIError(503, "the server is shutting down", code="shutting_down"))
         self._drain(block=False)
         self._publish()
+        if self.on_turn is not None:
+            self.on_turn(self.snapshot)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -1,0 +1,315 @@
+"""The engine in a process of its own, as vLLM V1's engine core: the child process owns the Engine,
+the scheduler loop (scheduler.py, unchanged) and the rounds; the HTTP process keeps the app, the
+requests' handles, the streams' formatting and the Prometheus metrics, so neither waits for the
+other's interpreter.
+
+Transport: two ZeroMQ PUSH / PULL sockets (pyzmq) on ipc:// paths, one pickled Python object per
+message. To the core: ("submit", job), ("abort", id), ("fail_all",), ("stop",). From the core:
+("ready", facts) once the engine is loaded, or ("failed", line); then per scheduler turn at most one
+("turn", events, metric updates, snapshot), events being (request id, Accepted | Chunk | Failed).
+The core's sends are queued by ZeroMQ: it never waits for the HTTP side or a client.
+
+Lifetime: the HTTP process starts the core, stops it with ("stop",) (it drains on SIGTERM first, as
+before) and kills it if it does not end; the core ignores SIGINT / SIGTERM (the HTTP process decides)
+and ends by itself when its parent is gone, so no core outlives its server. A core that dies fails
+every waiting request with a 503 and `died` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import shutil
+import signal
+import tempfile
+import threading
+import time
+
+import zmq
+
+from .errors import APIError
+from .jobs import Chunk, Failed, Handle
+from .scheduler import QueueFull, Scheduler
+
+log = logging.getLogger("ddtree.server")
+POLL_MS = 100
+
+
+class _Outbox:
+    """The core's side: handles and metrics that record into one batch, sent once per turn."""
+
+    def __init__(self):
+        self.events, self.updates = [], []
+        self.lock = threading.Lock()
+
+    def handle(self, request_id: str) -> "_RemoteHandle":
+        return _RemoteHandle(request_id, self)
+
+    def add(self, kind: str, item) -> None:
+        with self.lock:
+            (self.events if kind == "event" else self.updates).append(item)
+
+    def take(self):
+        with self.lock:
+            events, updates, self.events, self.updates = self.events, self.updates, [], []
+        return events, updates
+
+
+class _RemoteHandle:
+    def __init__(self, request_id: str, outbox: _Outbox):
+        self.request_id, self.outbox = request_id, outbox
+
+    def push(self, event) -> None:
+        self.outbox.add("event", (self.request_id, event))
+
+
+class _RecordedMetric:
+    def __init__(self, name: str, outbox: _Outbox):
+        self.name, self.outbox = name, outbox
+
+    def inc(self, value: float = 1) -> None:
+        self.outbox.add("update", (self.name, "inc", value))
+
+    def observe(self, value: float) -> None:
+        self.outbox.add("update", (self.name, "observe", value))
+
+
+class _RecordedMetrics:
+    """What Scheduler updates on server.metrics.Metrics, recorded for the HTTP process's registry."""
+
+    NAMES = ("prompt_tokens", "generated_tokens", "acceptance_length", "tree_size", "round_seconds",
+             "time_to_first_token", "request_seconds", "engine_failures")
+
+    def __init__(self, outbox: _Outbox):
+        for name in self.NAMES:
+            setattr(self, name, _RecordedMetric(name, outbox))
+
+    def publish(self, snapshot: dict) -> None:  # the snapshot travels with each turn instead
+        pass
+
+
+def _core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dict) -> None:
+    """The engine-core process: build the engine (`build()`), then serve the HTTP process's messages."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    context = zmq.Context()
+    inbox, outbox_socket = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbox.connect(to_core)
+    outbox_socket.connect(from_core)
+    try:
+        engine = build()
+        facts = facts_of(engine)
+    except BaseException as err:  # the HTTP process raises it again as the server's one-line error
+        outbox_socket.send_pyobj(("failed", type(err).__name__, str(err)))
+        outbox_socket.close(linger=2000)
+        raise SystemExit(1)
+    outbox = _Outbox()
+    last = {}
+
+    def flush(snapshot: dict) -> None:  # the scheduler thread, after every turn
+        events, updates = outbox.take()
+        if events or updates or snapshot != last:
+            last.clear()
+            last.update(snapshot)
+            outbox_socket.send_pyobj(("turn", events, updates, snapshot))
+
+    scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle, **scheduler_args)
+    outbox_socket.send_pyobj(("ready", facts))
+    scheduler.start()
+    parent = multiprocessing.parent_process()
+    try:
+        while scheduler.alive:
+            if not inbox.poll(POLL_MS):
+                if parent is not None and not parent.is_alive():  # the server is gone: so is its core
+                    break
+                continue
+            message = inbox.recv_pyobj()
+            if message[0] == "stop":
+                break
+            if message[0] == "submit":
+                try:
+                    scheduler.submit(message[1])
+                except (QueueFull, RuntimeError) as err:  # the HTTP side refuses these first: a race at most
+                    outbox.handle(message[1].request_id).push(Failed(APIError(503, str(err), code="shutting_down")))
+            elif message[0] == "abort":
+                scheduler.abort(message[1])
+            elif message[0] == "fail_all":
+                scheduler.end_drain()
+    finally:
+        scheduler.stop()
+        if hasattr(engine, "close"):  # a tensor-parallel engine's ranks
+            engine.close()
+        outbox_socket.close(linger=2000)
+        inbox.close(linger=0)
+        context.term()
+
+
+class EngineCore:
+    """The HTTP process's end: the Scheduler's interface (submit, abort, drains, snapshot) over an
+    engine-core process. build: a picklable callable returning the Engine (run in the child);
+    facts_of: a picklable callable of the engine returning the dict the app needs (its `facts`)."""
+
+    def __init__(self, build, facts_of, *, max_queue: int = 256, limits=None, start_timeout_s: float | None = None):
+        self.build, self.facts_of, self.max_queue, self.limits = build, facts_of, max_queue, limits
+        self.start_timeout_s = start_timeout_s
+        self.metrics = None  # the app's Metrics (create_app sets it)
+        self.facts: dict = {}
+        self.snapshot: dict = {}
+        self.died: str | None = None  # why the core ended while serving
+        self.on_death = None  # called once (from the receiver thread) when the core dies while serving
+        self._handles: dict[str, Handle] = {}
+        self._waiting: set[str] = set()  # submitted, neither started nor failed: the queue's length
+        self._lock = threading.Lock()  # the PUSH socket and the two collections
+        self._draining = threading.Event()
+        self._stopping = threading.Event()
+        self._receiver: threading.Thread | None = None
+        self._process = None
+
+    # -- start and stop -------------------------------------------------------------------------------
+
+    def launch(self) -> dict:
+        """Start the core process and wait until its engine is loaded; returns its facts. Raises
+        RuntimeError with the core's one-line reason if it fails or dies first."""
+        self._dir = tempfile.mkdtemp(prefix="ddtree-core-")
+        self._context = zmq.Context()
+        self._to_core, self._from_core = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+        to_core, from_core = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/from_core"
+        self._to_core.bind(to_core)
+        self._from_core.bind(from_core)
+        scheduler_args = dict(max_queue=1 << 30, limits=self.limits)  # the HTTP side enforces max_queue
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_core_main, args=(to_core, from_core, self.build, self.facts_of, scheduler_args),
+            name="ddtree-engine-core")
+        self._process.start()
+        deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
+        while not self._from_core.poll(POLL_MS):
+            if not self._process.is_alive():
+                self._close()
+                raise RuntimeError(f"the engine process ended while loading (exit code {self._process.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                self._close(kill=True)
+                raise RuntimeError(f"the engine process did not load within {self.start_timeout_s:g} s")
+        message = self._from_core.recv_pyobj()
+        if message[0] != "ready":
+            self._close(kill=True)
+            from ..arguments import UsageError  # the user's directories or flags: exit 2, as in one process
+
+            raise (UsageError if message[1] == "UsageError" else RuntimeError)(message[2])
+        self.facts = message[1]
+        return self.facts
+
+    def start(self) -> None:
+        """Start routing the core's events (the app's lifespan)."""
+        self._receiver = threading.Thread(target=self._receive, name="ddtree-core-receiver", daemon=True)
+        self._receiver.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the core (its running requests fail with 503) and wait for it; kill it past timeout_s."""
+        self._stopping.set()
+        self._send(("stop",))
+        if self._process is not None:
+            self._process.join(timeout_s)
+        if self._receiver is not None:
+            self._receiver.join(5)
+        self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
+        self._close(kill=True)
+
+    def _close(self, kill: bool = False) -> None:
+        if kill and self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        for sock in (self._to_core, self._from_core):
+            sock.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- the scheduler's interface ---------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return (self._process is not None and self._process.is_alive() and not self._stopping.is_set()
+                and self.died is None)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and self.snapshot.get("running", 0) == 0 and self.snapshot.get("live", 0) == 0
+
+    def begin_drain(self) -> None:
+        self._draining.set()
+
+    def end_drain(self) -> None:
+        self._send(("fail_all",))
+
+    def submit(self, job, loop) -> Handle:
+        """As Scheduler.submit: raises QueueFull, or RuntimeError when shutting down or the core is gone."""
+        handle = Handle(job.request_id, loop)
+        with self._lock:
+            if self._stopping.is_set() or self._draining.is_set():
+                raise RuntimeError("the server is shutting down")
+            if self.died is not None:
+                raise RuntimeError(f"the engine is not running ({self.died})")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+            self._handles[job.request_id] = handle
+            self._waiting.add(job.request_id)
+            self._to_core.send_pyobj(("submit", job))
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._handles.pop(request_id, None)
+            self._waiting.discard(request_id)
+        self._send(("abort", request_id))
+
+    def _send(self, message) -> None:
+        with self._lock:
+            if not self._to_core.closed:
+                self._to_core.send_pyobj(message)
+
+    # -- the receiver thread ----------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        while not self._stopping.is_set():
+            if self._from_core.poll(POLL_MS):
+                _, events, updates, snapshot = self._from_core.recv_pyobj()
+                self._route(events)
+                for name, method, value in updates:
+                    getattr(getattr(self.metrics, name), method)(value)
+                self.snapshot = {**snapshot, "queued": len(self._waiting)}
+                self.metrics.publish(self.snapshot)
+            elif not self._process.is_alive() and not self._stopping.is_set():
+                self.died = f"the engine process stopped unexpectedly (exit code {self._process.exitcode})"
+                log.error("%s; failing the requests it held", self.died)
+                self._fail_all(APIError(503, f"{self.died}; this server is shutting down", code="engine_dead"))
+                self.snapshot = {**self.snapshot, "running": 0, "live": 0}
+                if self.on_death is not None:
+                    self.on_death()
+                return
+
+    def _route(self, events) -> None:
+        with self._lock:
+            for request_id, event in events:
+                handle = self._handles.get(request_id)
+                if handle is None:  # aborted here already
+                    continue
+                if isinstance(event, (Chunk, Failed)):
+                    self._waiting.discard(request_id)
+                    if isinstance(event, Failed) or event.finish_reason is not None:
+                        del self._handles[request_id]
+                handle.push(event)
+
+    def _fail_all(self, error: APIError) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, {}
+            self._waiting.clear()
+        for handle in handles.values():
+            handle.push(Failed(error))
+
+    @property
+    def pid(self) -> int | None:
+        """The core process's pid."""
+        return None if self._process is None else self._process.pid

@@ -1,0 +1,153 @@
+"""The engine in a process of its own (server/engine_core.py): it serves what the scheduler thread
+serves, token for token; a core that dies fails its requests with a 503 and says why; no core
+outlives its server; a core that cannot load is the launch's one error."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import pytest
+
+from ddtree import Engine
+from ddtree.arguments import UsageError
+from ddtree.server.app import ServerConfig, create_app, engine_facts
+from ddtree.server.engine_core import EngineCore
+
+from .conftest import ENGINE_ARGS
+from .harness import LiveServer
+from .test_api import served_alone
+
+
+def _core(pairs, **kwargs) -> EngineCore:
+    build = functools.partial(Engine.from_pretrained, str(pairs["target_chat"]), str(pairs["drafter"]), max_batch=4,
+                              **ENGINE_ARGS)
+    return EngineCore(build, engine_facts, max_queue=8, **kwargs)
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if _zombie(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _complete(url: str, prompt: str, budget) -> dict:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ddtree": {"budget": budget}}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+
+
+def test_the_core_serves_what_a_request_served_alone_gets(pairs, reference):
+    core = _core(pairs)
+    facts = core.launch()
+    assert facts == engine_facts(reference) | {"max_budget": 16}
+    config = ServerConfig(model_name="tiny", default_mode="ddtree", default_budget=8)
+    with LiveServer(create_app(core, config)) as live:
+        prompts = ["ab", "abcab", "ba", "cabbage"]
+        got = [None] * len(prompts)
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _complete(live.url, prompts[i], 8)))
+                   for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for prompt, body in zip(prompts, got):
+            alone = served_alone(reference, prompt, 12)
+            assert body["choices"][0]["text"] == alone.text, prompt
+            assert body["usage"]["completion_tokens"] == len(alone.token_ids)
+        health = live.wait_idle()
+        assert (health["running"], health["queued"], health["pages_free"]) == (0, 0, health["pages_total"])
+        metrics = httpx.get(f"{live.url}/metrics", timeout=5).text
+        total = sum(body["usage"]["completion_tokens"] for body in got)  # the core's counts reach this registry
+        assert f"ddtree_generated_tokens_total {float(total)}" in metrics
+        pid = core.pid
+    assert _gone(pid, 10), "the core outlived its server"
+
+
+def test_a_core_that_dies_fails_its_requests_with_503(pairs):
+    core = _core(pairs)
+    core.launch()
+    died = threading.Event()
+    core.on_death = died.set
+    with LiveServer(create_app(core, ServerConfig(model_name="tiny", default_budget=8))) as live:
+        os.kill(core.pid, signal.SIGSTOP)  # the request below is surely still held when the core dies
+        answers = []
+        thread = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{live.url}/v1/completions", json={"prompt": "ab", "max_tokens": 8}, timeout=60)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while core.idle and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not core.idle
+        os.kill(core.pid, signal.SIGKILL)
+        assert died.wait(10)
+        thread.join(30)
+        assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "engine_dead", answers[0].text
+        assert "exit code -9" in core.died
+        health = httpx.get(f"{live.url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        refused = httpx.post(f"{live.url}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503 and "engine process stopped unexpectedly" in refused.json()["error"]["message"]
+
+
+def _raise(error):
+    raise error
+
+
+@pytest.mark.parametrize("error,kind", [(UsageError("--target x: no config.json"), UsageError),
+                                        (MemoryError("out of device memory"), RuntimeError)])
+def test_a_core_that_cannot_load_is_one_error(error, kind):
+    core = EngineCore(functools.partial(_raise, error), engine_facts)
+    with pytest.raises(kind, match=str(error.args[0])):
+        core.launch()
+    assert _gone(core.pid, 10)
+
+
+def test_the_core_ends_with_its_server(pairs, tmp_path):
+    """A server killed outright (no drain, no stop message) leaves no engine process behind."""
+    script = textwrap.dedent(f"""
+        import functools, sys, time
+        from ddtree import Engine
+        from ddtree.server.app import engine_facts
+        from ddtree.server.engine_core import EngineCore
+        if __name__ == "__main__":
+            core = EngineCore(functools.partial(Engine.from_pretrained, {str(pairs["target"])!r}, {str(pairs["drafter"])!r},
+                                                device="cpu", max_batch=1, page_size=8, max_model_len=64), engine_facts)
+            core.launch()
+            core.start()
+            print(core.pid, flush=True)
+            time.sleep(600)
+    """)
+    (tmp_path / "server.py").write_text(script)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "server.py")], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    try:
+        pid = int(proc.stdout.readline())
+        assert not _gone(pid, 0.5)
+        proc.kill()
+        proc.wait(10)
+        assert _gone(pid, 10), "the engine process outlived its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -109,6 +109,8 @@ def test_a_core_that_dies_fails_its_requests_with_503(pairs):
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
         refused = httpx.post(f"{live.url}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=10)
         assert refused.status_code == 503 and "engine process stopped unexpectedly" in refused.json()["error"]["message"]
+        leaving = time.monotonic()
+    assert time.monotonic() - leaving < 5, "stopping a server whose core is dead must not wait on it"
 
 
 def _raise(error):
@@ -148,6 +150,33 @@ def test_the_core_ends_with_its_server(pairs, tmp_path):
         proc.kill()
         proc.wait(10)
         assert _gone(pid, 10), "the engine process outlived its server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_core_loads_leaves_no_core(pairs, sig):
+    """Ctrl-C (or SIGTERM) while the engine process measures its round costs: the server ends at
+    once and takes its engine process with it."""
+    from .test_command import _free_port, _tiny_serve_argv
+
+    proc = subprocess.Popen(_tiny_serve_argv(pairs, _free_port()), env={**os.environ, "TRITON_INTERPRET": "1"},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # printed by the engine process, which is loading
+            if "measuring round costs" in line:
+                break
+        cores = _children(proc.pid)
+        assert cores, "no engine process while it loads"
+        proc.send_signal(sig)
+        proc.wait(30)
+        assert all(_gone(pid, 10) for pid in cores), "an engine process outlived its server"
     finally:
         if proc.poll() is None:
             proc.kill()

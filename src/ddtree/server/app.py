@@ -132,7 +132,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = state.scheduler.alive
-        status = "draining" if state.scheduler.draining else "ok" if ok else "unavailable"
+        status = "unavailable" if not ok else "draining" if state.scheduler.draining else "ok"
         body = {"status": status, "model": config.model_name, **state.scheduler.snapshot, **_info(state)}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 

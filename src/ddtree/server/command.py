@@ -171,12 +171,8 @@ def _serve_on(sockets, args, keys) -> int:
     """serve's part after the sockets are taken: load (in the engine-core process), then serve."""
     import functools
 
-    import uvicorn
-
-    from .app import ServerConfig, create_app
     from .engine_core import EngineCore
     from .limits import Limits
-    from .shutdown import DrainingServer
 
     limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
                     max_streams=args.max_streams, request_timeout_s=args.request_timeout,
@@ -189,7 +185,20 @@ def _serve_on(sockets, args, keys) -> int:
         engine = EngineCore(functools.partial(load_for_serving, args), serving_facts, max_queue=args.max_queue,
                             limits=limits)
         facts = engine.launch()
-        engine.on_death = _exit_on_signal
+        engine.on_death = lambda: None if engine.draining else _exit_on_signal()  # a drain ends by itself
+    try:
+        return _run(sockets, args, keys, limits, engine, facts)
+    finally:  # every way out (a forced exit skips the app's shutdown, an error before it runs): no core left
+        if not args.single_process:
+            engine.stop(timeout_s=5)
+
+
+def _run(sockets, args, keys, limits, engine, facts) -> int:
+    import uvicorn
+
+    from .app import ServerConfig, create_app
+    from .shutdown import DrainingServer
+
     name = args.served_model_name or (Path(args.target).resolve().name if args.target else "ddtree-demo")
     config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, metadata=facts["metadata"],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import shutil
 import signal
 import tempfile
@@ -88,17 +89,34 @@ class _RecordedMetrics:
         pass
 
 
+def _ignore(_signum, _frame) -> None:
+    """The core's SIGINT / SIGTERM: the HTTP process decides when it ends. A handler, not SIG_IGN,
+    so that the processes it starts (tensor-parallel ranks) get the default handling back."""
+
+
+def _exit_with_parent(done: threading.Event) -> None:
+    """While the engine loads (the serving loop checks for itself after): end when the parent has."""
+    parent = multiprocessing.parent_process()
+    while parent is not None and not done.wait(0.5):
+        if not parent.is_alive():
+            os._exit(1)
+
+
 def _core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dict) -> None:
     """The engine-core process: build the engine (`build()`), then serve the HTTP process's messages."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, _ignore)
+    signal.signal(signal.SIGTERM, _ignore)
+    loaded = threading.Event()
+    threading.Thread(target=_exit_with_parent, args=(loaded,), name="ddtree-parent-watch", daemon=True).start()
     context = zmq.Context()
     inbox, outbox_socket = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    outbox_socket.setsockopt(zmq.SNDHWM, 0)  # queue without bound: a slow HTTP side never stalls a round
     inbox.connect(to_core)
     outbox_socket.connect(from_core)
     try:
         engine = build()
         facts = facts_of(engine)
+        loaded.set()
     except BaseException as err:  # the HTTP process raises it again as the server's one-line error
         outbox_socket.send_pyobj(("failed", type(err).__name__, str(err)))
         outbox_socket.close(linger=2000)
@@ -111,10 +129,10 @@ def _core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: di
         if events or updates or snapshot != last:
             last.clear()
             last.update(snapshot)
-            outbox_socket.send_pyobj(("turn", events, updates, snapshot))
+            outbox_socket.send_pyobj(("turn", events, updates, snapshot))  # never blocks: the queue has no bound
 
     scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle, **scheduler_args)
-    outbox_socket.send_pyobj(("ready", facts))
+    outbox_socket.send_pyobj(("ready", facts, scheduler.snapshot))
     scheduler.start()
     parent = multiprocessing.parent_process()
     try:
@@ -173,6 +191,7 @@ class EngineCore:
         self._dir = tempfile.mkdtemp(prefix="ddtree-core-")
         self._context = zmq.Context()
         self._to_core, self._from_core = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
         to_core, from_core = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/from_core"
         self._to_core.bind(to_core)
         self._from_core.bind(from_core)
@@ -182,20 +201,26 @@ class EngineCore:
             name="ddtree-engine-core")
         self._process.start()
         deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
-        while not self._from_core.poll(POLL_MS):
-            if not self._process.is_alive():
-                self._close()
-                raise RuntimeError(f"the engine process ended while loading (exit code {self._process.exitcode})")
-            if deadline is not None and time.monotonic() > deadline:
-                self._close(kill=True)
-                raise RuntimeError(f"the engine process did not load within {self.start_timeout_s:g} s")
-        message = self._from_core.recv_pyobj()
+        try:
+            while not self._from_core.poll(POLL_MS):
+                if not self._process.is_alive():
+                    raise RuntimeError(f"the engine process ended while loading (exit code {self._process.exitcode})")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine process did not load within {self.start_timeout_s:g} s")
+        except BaseException:  # Ctrl-C while it loads included: no core outlives the launch
+            self._close(kill=True)
+            raise
+        try:
+            message = self._from_core.recv_pyobj()
+        except BaseException:
+            self._close(kill=True)
+            raise
         if message[0] != "ready":
             self._close(kill=True)
             from ..arguments import UsageError  # the user's directories or flags: exit 2, as in one process
 
             raise (UsageError if message[1] == "UsageError" else RuntimeError)(message[2])
-        self.facts = message[1]
+        self.facts, self.snapshot = message[1], {**message[2], "queued": 0}
         return self.facts
 
     def start(self) -> None:
@@ -204,7 +229,10 @@ class EngineCore:
         self._receiver.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the core (its running requests fail with 503) and wait for it; kill it past timeout_s."""
+        """Stop the core (its running requests fail with 503) and wait for it; kill it past timeout_s.
+        Idempotent: serve calls it again on every way out."""
+        if self._to_core.closed:
+            return
         self._stopping.set()
         self._send(("stop",))
         if self._process is not None:
@@ -218,8 +246,9 @@ class EngineCore:
         if kill and self._process is not None and self._process.is_alive():
             self._process.kill()
             self._process.join(5)
-        for sock in (self._to_core, self._from_core):
-            sock.close(linger=0)
+        with self._lock:
+            for sock in (self._to_core, self._from_core):
+                sock.close(linger=0)
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -248,15 +277,18 @@ class EngineCore:
         """As Scheduler.submit: raises QueueFull, or RuntimeError when shutting down or the core is gone."""
         handle = Handle(job.request_id, loop)
         with self._lock:
-            if self._stopping.is_set() or self._draining.is_set():
-                raise RuntimeError("the server is shutting down")
             if self.died is not None:
                 raise RuntimeError(f"the engine is not running ({self.died})")
+            if self._stopping.is_set() or self._draining.is_set():
+                raise RuntimeError("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+            try:
+                self._to_core.send_pyobj(("submit", job), flags=zmq.NOBLOCK)
+            except zmq.Again:  # no core connected: it has ended (the receiver says why in a moment)
+                raise RuntimeError("the engine is not running") from None
             self._handles[job.request_id] = handle
             self._waiting.add(job.request_id)
-            self._to_core.send_pyobj(("submit", job))
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -266,29 +298,45 @@ class EngineCore:
         self._send(("abort", request_id))
 
     def _send(self, message) -> None:
+        """Send without waiting: a core that has ended takes nothing (and needs nothing)."""
         with self._lock:
             if not self._to_core.closed:
-                self._to_core.send_pyobj(message)
+                try:
+                    self._to_core.send_pyobj(message, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
 
     # -- the receiver thread ----------------------------------------------------------------------------
 
     def _receive(self) -> None:
         while not self._stopping.is_set():
-            if self._from_core.poll(POLL_MS):
-                _, events, updates, snapshot = self._from_core.recv_pyobj()
-                self._route(events)
+            try:
+                if not self._receive_one():
+                    return
+            except Exception:  # never let the thread die silently: the requests would wait forever
+                if self._stopping.is_set():
+                    return
+                log.exception("engine-core receiver: unexpected error; going on")
+
+    def _receive_one(self) -> bool:
+        """Route one message, or notice that the core died; False: nothing more will come."""
+        if self._from_core.poll(POLL_MS):
+            _, events, updates, snapshot = self._from_core.recv_pyobj()
+            self._route(events)
+            self.snapshot = {**snapshot, "queued": len(self._waiting)}
+            if self.metrics is not None:
                 for name, method, value in updates:
                     getattr(getattr(self.metrics, name), method)(value)
-                self.snapshot = {**snapshot, "queued": len(self._waiting)}
                 self.metrics.publish(self.snapshot)
-            elif not self._process.is_alive() and not self._stopping.is_set():
-                self.died = f"the engine process stopped unexpectedly (exit code {self._process.exitcode})"
-                log.error("%s; failing the requests it held", self.died)
-                self._fail_all(APIError(503, f"{self.died}; this server is shutting down", code="engine_dead"))
-                self.snapshot = {**self.snapshot, "running": 0, "live": 0}
-                if self.on_death is not None:
-                    self.on_death()
-                return
+        elif not self._process.is_alive() and not self._stopping.is_set():
+            self.died = f"the engine process stopped unexpectedly (exit code {self._process.exitcode})"
+            log.error("%s; failing the requests it held", self.died)
+            self._fail_all(APIError(503, f"{self.died}; this server is shutting down", code="engine_dead"))
+            self.snapshot = {**self.snapshot, "running": 0, "live": 0}
+            if self.on_death is not None:
+                self.on_death()
+            return False
+        return True
 
     def _route(self, events) -> None:
         with self._lock:

@@ -105,8 +105,7 @@ ROW_CASES = [(Case(1, 3, 7, 48, 32, seed=21), 1, None, None), (Case(1, 3, 7, 48,
 
 @pytest.mark.parametrize("case,block_m,block_n,block_k", ROW_CASES,
                          ids=lambda v: f"T{v.tokens}" if isinstance(v, Case) else str(v))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("num_shared", [0, 1])
+@pytest.mark.parametrize("dtype,num_shared", [(torch.bfloat16, 1), (torch.float32, 0)], ids=["bf16-shared", "fp32"])
 def test_int4_row_kernels_match_the_float64_loop(case, block_m, block_n, block_k, dtype, num_shared, kernel_device):
     x, gate_up, down, weights, ids = int4_experts(case, dtype, kernel_device)
     shared = make_shared(case, num_shared, dtype, kernel_device) if num_shared else None

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch import matmul_tile, wait_for_producers
-from .moe_kernels import routed_block, shared_rows, swiglu_tile
+from .launch import wait_for_producers
+from .moe_kernels import routed_block, shared_down, shared_gate_up
 
 SHARED_M = 16  # tokens per shared-expert program (tl.dot's minimum)
 _SHARED_M: tl.constexpr = tl.constexpr(SHARED_M)  # the kernels' copy
@@ -171,16 +171,9 @@ def gate_up_rows_kernel(
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     elif tl.program_id(1) * SHARED_N < inter:  # shared tiles of SHARED_N >= 16 columns (tl.dot's least)
         shared_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
-        shared_ok = shared_n < inter
-        offs_k = tl.arange(0, BLOCK_K)
-        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
-        w_offs = (shared * inter + shared_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
-        h = swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
-                         shared_up_ptr + w_offs, BLOCK_K, row_ok, shared_ok, hidden,
-                         _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
-        row = num_pairs + shared * num_tokens + token
-        tl.store(h_ptr + row[:, None] * stride_hp + shared_n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & shared_ok[None, :])
+        shared_gate_up(pid_m, shared_n, shared_n < inter, x_ptr, h_ptr, shared_gate_ptr, shared_up_ptr, num_pairs,
+                       num_tokens, hidden, inter, routed_blocks, token_blocks, stride_xt, stride_hp, stride_shared,
+                       _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
 
 
 @triton.jit
@@ -211,11 +204,6 @@ def down_rows_kernel(
                      mask=row_ok[:, None] & col_ok[None, :])
     elif tl.program_id(1) * SHARED_N < hidden:  # as in gate_up_rows_kernel
         shared_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
-        shared_ok = shared_n < hidden
-        offs_k = tl.arange(0, BLOCK_K)
-        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, _SHARED_M)
-        row = num_pairs + shared * num_tokens + token
-        w_ptrs = shared_down_ptr + shared_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
-        acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
-                          row_ok, shared_ok, inter, _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
-        tl.store(y_ptr + row[:, None] * stride_yp + shared_n[None, :], acc, mask=row_ok[:, None] & shared_ok[None, :])
+        shared_down(pid_m, shared_n, shared_n < hidden, h_ptr, y_ptr, shared_down_ptr, num_pairs, num_tokens, inter,
+                    routed_blocks, token_blocks, stride_hp, stride_yp, stride_shared,
+                    _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)

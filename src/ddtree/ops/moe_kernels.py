@@ -22,7 +22,7 @@ from .launch import dot, matmul_tile, wait_for_producers
 
 
 @triton.jit
-def swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
+def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
     """silu(x @ Wg) * (x @ Wu) for one [BLOCK_M, BLOCK_N] tile, float32; pointers at k = 0."""
@@ -67,7 +67,7 @@ def _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stri
 def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
+    """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -101,7 +101,7 @@ def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth
 
 @triton.jit
 def routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts,
-                  BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+                 BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
     """(expert, pairs [BLOCK_M]) of routed program pid_m; expert -1: nothing to do. DIRECT: one
     pair per program, pair pid_m, and block_expert_ptr is the router's ids itself (no alignment:
     a single token's choices are distinct experts); padding lanes hold num_pairs."""
@@ -115,11 +115,43 @@ def routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_exper
 
 
 @triton.jit
-def shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.constexpr):
+def _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M: tl.constexpr):
     """(shared expert, token ids [BLOCK_M] int64, row mask) of a program past the routed blocks."""
     j = pid_m - routed_blocks
     token = (j % token_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     return j // token_blocks, token.to(tl.int64), token < num_tokens
+
+
+@triton.jit
+def shared_gate_up(pid_m, offs_n, col_ok, x_ptr, h_ptr, gate_ptr, up_ptr, num_pairs, num_tokens, hidden, inter,
+                   routed_blocks, token_blocks, stride_xt, stride_hp, stride_shared,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """A shared-expert program of a gate_up kernel: h rows P + s * T + t for its BLOCK_M tokens t,
+    columns offs_n [BLOCK_N], from the shared MLP's gate and up weights read in place."""
+    offs_k = tl.arange(0, BLOCK_K)
+    shared, token, row_ok = _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
+    w_offs = (shared * inter + offs_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
+    h = _swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], gate_ptr + w_offs, up_ptr + w_offs, BLOCK_K,
+                     row_ok, col_ok, hidden, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+    row = num_pairs + shared * num_tokens + token
+    tl.store(h_ptr + row[:, None] * stride_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def shared_down(pid_m, offs_n, col_ok, h_ptr, y_ptr, down_ptr, num_pairs, num_tokens, inter, routed_blocks,
+                token_blocks, stride_hp, stride_yp, stride_shared, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """A shared-expert program of a down kernel: y rows P + s * T + t (weight 1), columns offs_n."""
+    offs_k = tl.arange(0, BLOCK_K)
+    shared, token, row_ok = _shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
+    row = num_pairs + shared * num_tokens + token
+    # The shared down weight is [hidden, S * inter]: expert s's columns s * inter .. + inter - 1.
+    w_ptrs = down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
+    acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
+                      row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
+    tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -152,19 +184,14 @@ def gate_up_kernel(
                                     BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION)
             else:
                 gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
-                h = swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
+                h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
                                  BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
             h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
             tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     else:
-        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
-        w_offs = (shared * inter + offs_n)[None, :].to(tl.int64) * stride_shared + offs_k[:, None]
-        h = swiglu_tile(x_ptr + token[:, None] * stride_xt + offs_k[None, :], shared_gate_ptr + w_offs,
-                         shared_up_ptr + w_offs, BLOCK_K, row_ok, col_ok, hidden,
-                         BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
-        row = num_pairs + shared * num_tokens + token
-        tl.store(h_ptr + row[:, None] * stride_hp + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        shared_gate_up(pid_m, offs_n, col_ok, x_ptr, h_ptr, shared_gate_ptr, shared_up_ptr, num_pairs, num_tokens, hidden,
+                       inter, routed_blocks, token_blocks, stride_xt, stride_hp, stride_shared,
+                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
 
 
 @triton.jit
@@ -202,13 +229,8 @@ def down_kernel(
             tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
                      mask=row_ok[:, None] & col_ok[None, :])
     else:
-        shared, token, row_ok = shared_rows(pid_m, routed_blocks, token_blocks, num_tokens, BLOCK_M)
-        row = num_pairs + shared * num_tokens + token
-        # The shared down weight is [hidden, S * inter]: expert s's columns s * inter .. + inter - 1.
-        w_ptrs = shared_down_ptr + offs_n[None, :].to(tl.int64) * stride_shared + shared * inter + offs_k[:, None]
-        acc = matmul_tile(h_ptr + row[:, None] * stride_hp + offs_k[None, :], w_ptrs, BLOCK_K, BLOCK_K,
-                          row_ok, col_ok, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
-        tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+        shared_down(pid_m, offs_n, col_ok, h_ptr, y_ptr, shared_down_ptr, num_pairs, num_tokens, inter, routed_blocks,
+                    token_blocks, stride_hp, stride_yp, stride_shared, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PRECISION)
 
 
 @triton.jit

@@ -76,14 +76,14 @@ class _RecordedMetric:
 
 
 class _RecordedMetrics:
-    """What Scheduler updates on server.metrics.Metrics, recorded for the HTTP process's registry."""
-
-    NAMES = ("prompt_tokens", "generated_tokens", "acceptance_length", "tree_size", "round_seconds",
-             "time_to_first_token", "request_seconds", "engine_failures")
+    """What Scheduler updates on server.metrics.Metrics (any counter or histogram by its name),
+    recorded for the HTTP process's registry."""
 
     def __init__(self, outbox: _Outbox):
-        for name in self.NAMES:
-            setattr(self, name, _RecordedMetric(name, outbox))
+        self.outbox = outbox
+
+    def __getattr__(self, name: str) -> _RecordedMetric:
+        return _RecordedMetric(name, self.outbox)
 
     def publish(self, snapshot: dict) -> None:  # the snapshot travels with each turn instead
         pass

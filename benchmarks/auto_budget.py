@@ -12,16 +12,20 @@ drafter wrapped in replay_drafter.ReplayDrafter: the demo pair's recorded rounds
 target's greedy continuation. --wrong adds `auto` with a drafter that is always wrong.
 
 Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up
-(the buckets an earlier B's engine measured are taken from it, as a kept table would be). The
-prompts run in groups of B, one generate call per group, so every configuration admits (and
-prefills) them the same way. Every configuration runs a warm-up pass of the same groups
+(the buckets an earlier B's engine measured are taken from it, as a kept table would be). B is
+the batch the engine keeps running, as vLLM's max_num_seqs: all of a B's prompts go to one
+generate call, and a request that finishes hands its slot to the next prompt at once
+(--schedule continuous, the default). --schedule groups runs them instead in groups of B, one
+generate call per group, so that each group lasts as long as its slowest request (a tree's
+requests finish at different rounds, `ar`'s of equal length together). Every configuration runs
+a warm-up pass of the same prompts
 (--warmup-new tokens, by default as many as the timed pass: kernels compiled, graphs captured for
 the contexts the timed pass reaches, auto's sizer taught, as in a server that has been up a
 while); then the --passes timed passes run in rotation (one of each configuration, then the next),
 so that the machine's drift during the run falls on every configuration alike, and each reports
 its median pass. Each auto configuration keeps what its sizer learned to itself. tokens/s:
 generated tokens over the wall time of the pass; decode tokens/s leaves out the first token and
-the wall time of the same groups at max_new_tokens = 1 (their prefill). The bars use decode
+the wall time of the same prompts at max_new_tokens = 1 (their prefill). The bars use decode
 tokens/s.
 """
 
@@ -48,7 +52,7 @@ from ddtree import Engine  # noqa: E402
 from ddtree.engine.pages import pages_for  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "demo_prompts.jsonl"
-PROMPTS_PER_BATCH = {1: 16, 8: 32, 32: 64}  # demo pair: B = 1 runs 16 prompts one after another
+PROMPTS_PER_BATCH = {1: 16, 8: 64, 32: 120}  # demo pair (120 held-out prompts): B = 1 runs 16 one after another
 
 
 def configs(budgets: list[int], wrong: bool) -> list[tuple[str, str, object]]:
@@ -61,27 +65,44 @@ def configs(budgets: list[int], wrong: bool) -> list[tuple[str, str, object]]:
 
 
 class Workload:
-    """The prompts of one B, in groups that fill the batch, and how a pass runs them."""
+    """The prompts of one B and how a pass runs them: all in one generate call (continuous), or
+    in groups of B (one generate call each)."""
 
-    def __init__(self, engine: Engine, groups: list[list], new: int, replay=None, prefix: int | None = None):
-        """groups: prompts run together (one generate each); replay: the ReplayDrafter to give each
-        slot its truth; prefix: the prompts' length (round costs are measured at it)."""
-        self.engine, self.groups, self.new, self.replay, self.prefix = engine, groups, new, replay, prefix
-        self.continuations: list[list[list[int]]] | None = None  # ar's tokens per group (the replay's truth)
+    def __init__(self, engine: Engine, prompts: list, new: int, batch: int, schedule: str = "continuous",
+                 replay=None, prefix: int | None = None):
+        """replay: the ReplayDrafter to give each admitted prompt its truth; prefix: the prompts'
+        length (round costs are measured at it)."""
+        if schedule not in ("continuous", "groups"):
+            raise ValueError(f"schedule must be 'continuous' or 'groups', got {schedule!r}")
+        self.engine, self.prompts, self.new, self.replay, self.prefix = engine, prompts, new, replay, prefix
+        self.groups = [prompts] if schedule == "continuous" else [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        self.truth: dict[tuple, list[int]] = {}  # prompt -> prompt + ar's tokens (the replay's truth)
         self.warmup_new = new
         self.passes = 1  # timed passes per configuration (the median one is reported)
+        if replay is not None:
+            self._tell_replay_at_prefill()
 
     def set_continuations(self, outs: list) -> None:
-        tokens = iter(o.token_ids for o in outs)
-        self.continuations = [[next(tokens) for _ in group] for group in self.groups]
+        self.truth = {tuple(p): list(p) + o.token_ids for p, o in zip(self.prompts, outs)}
+
+    def _tell_replay_at_prefill(self) -> None:
+        """A request's slot is known only once the engine admits it: the replay drafter learns the
+        slot's truth (prompt + continuation, or only the prompt before `ar` has run) as the prompt
+        is prefilled, before any round drafts for it."""
+        worker, replay = self.engine.worker, self.replay
+        prefill = worker.prefill
+
+        def prefill_with_truth(table, slots, prompts, *args):
+            for slot, prompt in zip(slots, prompts):
+                replay.set_sequence(slot, self.truth.get(tuple(prompt), list(prompt)))
+            return prefill(table, slots, prompts, *args)
+
+        worker.prefill = prefill_with_truth
 
     def run(self, mode: str, budget, new: int | None = None) -> tuple[float, list]:
-        """One pass over every group; (wall seconds, outputs in prompt order)."""
+        """One pass over every prompt; (wall seconds, outputs in prompt order)."""
         engine, outs, seconds = self.engine, [], 0.0
-        for g, group in enumerate(self.groups):
-            if self.replay is not None and self.continuations is not None:
-                for slot, (prompt, tokens) in enumerate(zip(group, self.continuations[g])):
-                    self.replay.set_sequence(slot, prompt + tokens)  # generate fills free slots in order
+        for group in self.groups:
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -186,8 +207,7 @@ def demo_workloads(args, device):
         engine = Engine.from_pretrained(device=device, max_batch=batch, max_budget=max(args.budgets),
                                         round_costs=args.round_costs, kept_costs="off")  # measured in this run
         chosen = prompts[: PROMPTS_PER_BATCH.get(batch, 4 * batch)]
-        groups = [chosen[i : i + batch] for i in range(0, len(chosen), batch)]
-        yield batch, engine, Workload(engine, groups, args.new)
+        yield batch, engine, Workload(engine, chosen, args.new, batch, args.schedule)
 
 
 def replay_workloads(args, device):
@@ -200,14 +220,13 @@ def replay_workloads(args, device):
     vocab = target.cfg.vocab_size
     max_len = args.prefix + max(args.new, 256) + 64  # round-cost stand-ins run ~210 tokens past the prefix
     for batch in args.batches:
-        waves = max(1, 4 // batch)
-        groups = [[torch.randint(0, vocab - 1, (args.prefix,), generator=gen).tolist() for _ in range(batch)]
-                  for _ in range(waves)]
+        count = 4 * batch if args.schedule == "continuous" else batch * max(1, 4 // batch)
+        prompts = [torch.randint(0, vocab - 1, (args.prefix,), generator=gen).tolist() for _ in range(count)]
         replay = ReplayDrafter(drafter, batch, max_len + 64)
         pages = batch * pages_for(max_len + max(args.budgets) + 1, 64) + 1
         engine = Engine(target, replay, max_batch=batch, max_model_len=max_len, max_budget=max(args.budgets),
                         num_pages=pages, stop_token_ids=(), round_costs=args.round_costs, kept_costs="off")
-        yield batch, engine, Workload(engine, groups, args.new, replay, args.prefix)
+        yield batch, engine, Workload(engine, prompts, args.new, batch, args.schedule, replay, args.prefix)
         del engine, replay
         gc.collect()
         if device.type == "cuda":
@@ -225,6 +244,8 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=512, help="real-size pairs: prompt tokens")
     parser.add_argument("--warmup-new", type=int, default=None, help="new tokens of each warm-up pass (default --new)")
     parser.add_argument("--passes", type=int, default=1, help="timed passes per configuration (the median is reported)")
+    parser.add_argument("--schedule", choices=("continuous", "groups"), default="continuous",
+                        help="continuous: B requests kept running over all prompts; groups: one generate per B prompts")
     parser.add_argument("--wrong", action="store_true", help="real-size pairs: also auto with an always-wrong drafter")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--combine", type=Path, nargs="+", default=None, help="write the bars of these result files")
@@ -246,7 +267,7 @@ def main() -> None:
     name = args.pair + (f"-{args.layers}l" if args.layers else "")
     payload = {"environment": env, "pair": name, "device": str(device), "new_tokens": args.new,
                "batches": args.batches, "budgets": args.budgets, "rows": rows, "warmup_new": args.warmup_new or args.new,
-               "timed_passes": args.passes,
+               "timed_passes": args.passes, "schedule": args.schedule,
                "pair_info": getattr(args, "pair_info", None), "prefix": None if args.pair == "demo" else args.prefix}
     payload["bars"] = bars(rows, replay=args.pair != "demo")
     md = write_results(f"auto_budget-{name}", payload, table(payload), args.out_dir)

@@ -97,6 +97,10 @@ def test_the_benchmark_runs_on_the_tiny_pair(tmp_path, monkeypatch):
     assert configs == ["ar", "chain", "ddtree 4", "auto", "auto, wrong drafter"]
     assert all(r["equal_to_ar"] == r["requests"] and r["decode_tokens_per_s"] > 0 for r in payload["rows"])
     assert all(len(r["pass_seconds"]) == 2 for r in payload["rows"])
+    # Continuous batching reuses slots (8 prompts over 2): each admitted prompt's truth reached its
+    # slot, so the replayed drafter is accepted; without it every round would commit 1 token.
+    tree = next(r for r in payload["rows"] if r["batch"] == 2 and r["config"] == "ddtree 4")
+    assert payload["schedule"] == "continuous" and tree["requests"] == 8 and tree["mean_acceptance_length"] > 2
     assert set(payload["bars"]) == {"auto_over_best_min_replay", "auto_over_ar_min", "per_batch"}
     png = tmp_path / "auto_budget-tiny-none-cpu.png"  # the test extra brings matplotlib: a plot, always
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

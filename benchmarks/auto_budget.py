@@ -12,13 +12,13 @@ drafter wrapped in replay_drafter.ReplayDrafter: the demo pair's recorded rounds
 target's greedy continuation. --wrong adds `auto` with a drafter that is always wrong.
 
 Each B has an engine of its own (max_batch = B) whose round costs are measured at start-up
-(the buckets an earlier B's engine measured are taken from it, as a kept table would be). B is
-the batch the engine keeps running, as vLLM's max_num_seqs: all of a B's prompts go to one
-generate call, and a request that finishes hands its slot to the next prompt at once
-(--schedule continuous, the default). --schedule groups runs them instead in groups of B, one
-generate call per group, so that each group lasts as long as its slowest request (a tree's
-requests finish at different rounds, `ar`'s of equal length together). Every configuration runs
-a warm-up pass of the same prompts
+(the buckets an earlier B's engine measured are taken from it, as a kept table would be). The
+prompts run in groups of B, one generate call per group (--schedule groups, the default), so
+that every configuration admits and prefills them the same way; a group lasts as long as its
+slowest request (a tree's requests finish at different rounds, `ar`'s of equal length together).
+--schedule continuous gives all of a B's prompts to one generate call instead: a request that
+finishes hands its slot to the next prompt at once (as vLLM's max_num_seqs), each admission a
+prefill of its own. Every configuration runs a warm-up pass of the same prompts
 (--warmup-new tokens, by default as many as the timed pass: kernels compiled, graphs captured for
 the contexts the timed pass reaches, auto's sizer taught, as in a server that has been up a
 while); then the --passes timed passes run in rotation (one of each configuration, then the next),
@@ -52,7 +52,8 @@ from ddtree import Engine  # noqa: E402
 from ddtree.engine.pages import pages_for  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "demo_prompts.jsonl"
-PROMPTS_PER_BATCH = {1: 16, 8: 64, 32: 120}  # demo pair (120 held-out prompts): B = 1 runs 16 one after another
+PROMPTS_PER_BATCH = {1: 16, 8: 32, 32: 64}  # demo pair: B = 1 runs 16 prompts one after another
+CONTINUOUS_PROMPTS = {8: 64, 32: 120}  # --schedule continuous: more prompts than slots (120 held out)
 
 
 def configs(budgets: list[int], wrong: bool) -> list[tuple[str, str, object]]:
@@ -68,7 +69,7 @@ class Workload:
     """The prompts of one B and how a pass runs them: all in one generate call (continuous), or
     in groups of B (one generate call each)."""
 
-    def __init__(self, engine: Engine, prompts: list, new: int, batch: int, schedule: str = "continuous",
+    def __init__(self, engine: Engine, prompts: list, new: int, batch: int, schedule: str = "groups",
                  replay=None, prefix: int | None = None):
         """replay: the ReplayDrafter to give each admitted prompt its truth; prefix: the prompts'
         length (round costs are measured at it)."""
@@ -206,7 +207,8 @@ def demo_workloads(args, device):
     for batch in args.batches:
         engine = Engine.from_pretrained(device=device, max_batch=batch, max_budget=max(args.budgets),
                                         round_costs=args.round_costs, kept_costs="off")  # measured in this run
-        chosen = prompts[: PROMPTS_PER_BATCH.get(batch, 4 * batch)]
+        per_batch = CONTINUOUS_PROMPTS if args.schedule == "continuous" else PROMPTS_PER_BATCH
+        chosen = prompts[: per_batch.get(batch, PROMPTS_PER_BATCH.get(batch, 4 * batch))]
         yield batch, engine, Workload(engine, chosen, args.new, batch, args.schedule)
 
 
@@ -244,8 +246,8 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=512, help="real-size pairs: prompt tokens")
     parser.add_argument("--warmup-new", type=int, default=None, help="new tokens of each warm-up pass (default --new)")
     parser.add_argument("--passes", type=int, default=1, help="timed passes per configuration (the median is reported)")
-    parser.add_argument("--schedule", choices=("continuous", "groups"), default="continuous",
-                        help="continuous: B requests kept running over all prompts; groups: one generate per B prompts")
+    parser.add_argument("--schedule", choices=("groups", "continuous"), default="groups",
+                        help="groups: one generate per B prompts; continuous: B requests kept running over all prompts")
     parser.add_argument("--wrong", action="store_true", help="real-size pairs: also auto with an always-wrong drafter")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--combine", type=Path, nargs="+", default=None, help="write the bars of these result files")

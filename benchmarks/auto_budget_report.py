@@ -43,7 +43,7 @@ def table(payload: dict) -> str:
     parts = [f"Pair: {payload['pair']}, {payload['new_tokens']} new tokens per request"
              + (f", prompts of {payload['prefix']} random tokens" if payload.get("prefix") else ", held-out prompts")
              + (". B requests kept running, each finished one replaced by the next prompt (continuous batching)"
-                if payload.get("schedule", "groups") == "continuous" else ". Prompts run in groups of B, one generate call each")
+                if payload.get("schedule") == "continuous" else ". Prompts run in groups of B, one generate call each")
              + ". Speeds are of the median timed pass (of "
              + f"{payload.get('timed_passes', 1)}, run in rotation over the configurations), after a warm-up pass of "
              + "the same prompts"

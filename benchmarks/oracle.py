@@ -43,11 +43,11 @@ class OracleDrafter:
 
     def draft_logits(self, target, bonus: torch.Tensor, cache, key_limit: int | None = None) -> torch.Tensor:
         """As Drafter.draft_logits; drafted position d (1-based) of slot b is the token at
-        absolute position lengths[b] + d, known when d <= depth and the sequence reaches it."""
+        sequence position next_positions()[b] + d, known when d <= depth and the sequence reaches it."""
         logits = self.inner.draft_logits(target, bonus, cache, key_limit)
         b, depth, vocab = logits.shape
         steps = torch.arange(1, depth + 1, device=logits.device)
-        positions = cache.lengths[:, None] + steps
+        positions = cache.next_positions()[:, None] + steps
         seq = self.sequences[:b]
         known = seq.gather(1, positions.clamp_max(seq.shape[1] - 1))
         use = (positions < seq.shape[1]) & (known >= 0) & (steps <= self._depth)

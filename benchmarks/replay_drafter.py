@@ -67,10 +67,10 @@ class ReplayDrafter(OracleDrafter):
         b, depth, vocab = logits.shape
         k = self.logprobs.shape[2]
         slots = torch.arange(b, device=logits.device)
-        pick = ((slots * 1_000_003 + cache.lengths.long() * _MIX + self.seed) & ((1 << 62) - 1)) % self.ranks.shape[0]
+        pick = ((slots * 1_000_003 + cache.next_positions().long() * _MIX + self.seed) & ((1 << 62) - 1)) % self.ranks.shape[0]
         ranks, lp = self.ranks[pick], self.logprobs[pick]  # [B, D], [B, D, K]
         steps = torch.arange(1, depth + 1, device=logits.device)
-        positions = (cache.lengths.long()[:, None] + steps).clamp_max(self.sequences.shape[1] - 1)
+        positions = (cache.next_positions().long()[:, None] + steps).clamp_max(self.sequences.shape[1] - 1)
         truth = self.sequences[:b].gather(1, positions)  # [B, D], -1 where unknown
         ranks = torch.where(truth >= 0, ranks, -1)
         # Rank i holds token truth - rank + i (mod V): the truth at its rank, and ids rising with
@@ -79,7 +79,7 @@ class ReplayDrafter(OracleDrafter):
         # Where the truth is unknown (the engine's cost stand-ins, past a continuation's end), the
         # ranks start at a token hashed from slot, length and depth: trees of distinct tokens that
         # route over the experts as a real drafter's do, not the same few ids in every slot.
-        seed = (slots * 1_000_003 + cache.lengths.long() * _MIX + self.seed)[:, None] + steps * 7_919
+        seed = (slots * 1_000_003 + cache.next_positions().long() * _MIX + self.seed)[:, None] + steps * 7_919
         anchor = torch.where(truth >= 0, truth, (seed & ((1 << 62) - 1)) % vocab)
         offsets = torch.arange(k, device=logits.device)
         first = anchor - torch.where(ranks >= 0, ranks, -1)

@@ -4,6 +4,8 @@ the device time (CUDA events) and wall time per step of
   auto@0        budget "auto" forced to plain steps: rows set aside, appended every PENDING_ROWS
   auto@0 kept   the same with the set-aside buffer large enough that no append runs in the pass
                 (PENDING_ROWS patched before the engine is built): the set-aside alone
+  auto@0 out    plain steps that leave their rows out of the drafter's context (auto's plain
+                steps far from the next tree, engine/sizing.py)
 after a warm-up pass of the same prompts (graphs captured).
 
     python dev/plain_step_cost.py --batches 1 8 32
@@ -47,10 +49,12 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()]
     default_rows = batch_module.PENDING_ROWS
     for b in args.batches:
-        for label, rows in (("ar", default_rows), ("auto@0", default_rows), ("auto@0 kept", 4 * args.new)):
+        for label, rows in (("ar", default_rows), ("auto@0", default_rows), ("auto@0 kept", 4 * args.new),
+                            ("auto@0 out", default_rows)):
             batch_module.PENDING_ROWS = scheduling_module.PENDING_ROWS = rows
             engine = Engine.from_pretrained(max_batch=b, max_budget=64, kept_costs="off")
             engine.sizer.forced = 0  # no cost measurement, every auto step plain
+            engine.sizer.forced_set_aside = label != "auto@0 out"
             mode, budget = ("ar", 1) if label == "ar" else ("ddtree", "auto")
             got = timed(engine, prompts[: 2 * b], mode, budget, args.new)
             print(f"B={b} {label:12s} device {got['device_ms_per_step']:.4f} ms/step, wall {got['wall_ms_per_step']:.4f} ms/step",

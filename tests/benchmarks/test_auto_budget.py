@@ -87,6 +87,7 @@ def test_the_benchmark_runs_on_the_tiny_pair(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     monkeypatch.setattr(sys, "argv", ["auto_budget.py", "--pair", "tiny", "--device", "cpu", "--batches", "1", "2",
                                       "--budgets", "4", "--new", "12", "--prefix", "16", "--wrong", "--passes", "2",
+                                      "--schedule", "continuous",
                                       "--out-dir", str(tmp_path)])
     try:
         auto_budget.main()

@@ -157,6 +157,40 @@ def test_plain_steps_keep_the_drafter_context_of_every_token(models):
         torch.testing.assert_close(got[0, :n], want[0, :n], rtol=1e-4, atol=1e-5)
 
 
+def test_plain_steps_far_from_a_tree_leave_their_rows_out_at_true_positions(models):
+    """Plain steps that do not set their rows aside (far from the next tree) leave them out of
+    the drafter's context; every row it holds is the tree-only run's row of the same position,
+    and the next draft comes after the last committed token (DrafterCache.skipped)."""
+    from ddtree import SamplingParams
+
+    prompt = prompts(1, 12, seed=9)[0]
+    mixed, trees = engine_with(models, tree_cost=2.0, overlap=False), engine_with(models, overlap=False)
+    params = SamplingParams(max_new_tokens=40)
+    mixed.add_request(prompt, params)
+    trees.add_request(prompt, params, budget=4)
+    mixed.step()  # prefill (its first round too)
+    pattern = [(0, False)] * 5 + [(0, True)] * 3 + [(2, True)] + [(0, False)] * 4 + [(8, True), (0, True), (4, True)]
+    held = list(range(int(mixed.state.prefix_lens[0])))
+    for size, keep in pattern:
+        mixed.sizer.forced, mixed.sizer.forced_set_aside = size, keep
+        before = int(mixed.state.prefix_lens[0])
+        mixed.step()
+        after = int(mixed.state.prefix_lens[0])
+        if size > 0 or keep:
+            held += range(before, after)
+        state = mixed.state
+        skipped = after - len(held)
+        assert int(state.drafter.lengths[0] + state.pending_rows[0]) + skipped == after
+    assert len(held) < int(mixed.state.prefix_lens[0])  # rows were left out
+    while int(trees.state.prefix_lens[0]) < int(mixed.state.prefix_lens[0]):
+        trees.step()
+    n = int(mixed.state.drafter.lengths[0])
+    assert n == len(held) and int(mixed.state.pending_rows[0]) == 0
+    for got, want in zip(mixed.state.drafter.keys + mixed.state.drafter.values,
+                         trees.state.drafter.keys + trees.state.drafter.values):
+        torch.testing.assert_close(got[0, :n], want[0, held], rtol=1e-4, atol=1e-5)
+
+
 def test_a_fixed_budget_above_the_largest_size_beside_auto(models):
     """A budget-128 request in the batch makes every round verify 128 nodes: the sizer's ledger
     reads the auto request's accepted paths within its own 64 (the drafter right for 4 positions:

@@ -8,6 +8,8 @@ import torch
 
 from ddtree.engine.acceptance import AcceptanceLedger
 from ddtree.engine.costs import RoundCosts
+from ddtree.engine.batch import PENDING_ROWS
+from ddtree.engine.round import result_width
 from ddtree.engine.sizing import PLAIN_BURST, TreeSizer, best_size
 from ddtree.tree import accept_paths, build_trees
 
@@ -20,6 +22,7 @@ DEPTH = 7
 class FakeRequest:
     def __init__(self, remaining=1000):
         self.remaining = remaining
+        self.accepted_nodes = self.expected_nodes = 0.0
 
     def remaining_tokens(self):
         return self.remaining
@@ -240,3 +243,53 @@ def test_trees_that_cost_more_than_the_table_says_are_given_up():
     sizer.forced = 8
     sizer.observe_step(1, 8, seconds=100.0)  # the table's own measurement teaches nothing
     assert sizer.correction.ratios == seen
+
+
+def test_plain_steps_keep_their_rows_for_the_drafter_only_near_the_next_tree():
+    """Far from the next probe a plain step leaves its row out of the drafter's context (it costs
+    an ar step); the PENDING_ROWS - 1 steps before a probe set theirs aside, so the probe drafts
+    from the latest rows."""
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.1, 4: 2.3, 8: 2.8, 16: 4.0}), first_wait=64,
+                             max_wait=64), [])
+    for size in SIZES:
+        for _ in range(2):
+            sizer.observe_step(1, size, {1: 2.0, 2: 2.1, 4: 2.3, 8: 2.8, 16: 4.0}[size])
+    kept = []
+    for _ in range(64):
+        size = sizer.choose(1, [FakeRequest()], 0.0, 0)
+        kept.append((size, sizer.set_aside))
+    assert [s for s, _ in kept] == [0] * 63 + [1]
+    assert [k for _, k in kept[:63]] == [False] * (64 - PENDING_ROWS) + [True] * (PENDING_ROWS - 1)
+    assert sizer.choose(1, [FakeRequest(remaining=1)], 0.0, 0) == 0 and not sizer.set_aside  # about to end
+    sizer.forced, sizer.forced_set_aside = 0, False
+    assert sizer.choose(1, [FakeRequest()], 0.0, 0) == 0 and not sizer.set_aside
+
+
+def test_a_closed_batch_takes_the_size_whose_slowest_request_ends_first():
+    """Trees of 4 commit 4 tokens for 2.3 plain steps' time. Per round that beats plain steps, and
+    while the requests keep up with the pooled rates a closed batch (generate, nothing queued)
+    takes trees too. Once one request accepts far less than the rest, the batch ends when it does,
+    and it ends sooner with plain steps; an open batch (a server) still takes the trees' rate."""
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.2, 2: 2.25, 4: 2.3, 8: 2.8, 16: 4.0})), [1, 2, 3])
+    fast, slow = FakeRequest(100), FakeRequest(100)
+    assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 4
+    fast.accepted_nodes, fast.expected_nodes = 30.0, 30.0
+    slow.accepted_nodes, slow.expected_nodes = 2.0, 30.0  # its tokens at 4: 1 + 3 (2 + prior) / (30 + prior)
+    assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 0
+    assert sizer.choose(1, [fast, slow], 0.0, 0) == 4
+    slow.remaining = 20  # the lagging request is nearly done: the other's end counts
+    assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 4
+
+
+def test_learning_a_round_counts_each_request_s_accepted_and_expected_nodes():
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.1, 4: 2.3, 8: 2.8, 16: 4.0})), [1, 2])
+    expected = sizer.state.ledger.tokens(4) - 1.0
+    width = result_width(DEPTH, 0)
+    result = np.full((3, width + DEPTH + 1), -1, dtype=np.int64)
+    result[:, 0] = [4, 0, 1]  # slot 1 sat the round out
+    result[0, width : width + 4], result[2, width] = [0, 1, 2, 3], 0
+    a, b, c = FakeRequest(), FakeRequest(), FakeRequest()
+    sizer.learn([a, b, c], [0, 1, 2], result, type("Plan", (), {"paths": True, "experts": False, "budget": 4}), 0)
+    assert (a.accepted_nodes, a.expected_nodes) == (3.0, pytest.approx(expected))
+    assert (b.accepted_nodes, b.expected_nodes) == (0.0, 0.0)
+    assert (c.accepted_nodes, c.expected_nodes) == (0.0, pytest.approx(expected))

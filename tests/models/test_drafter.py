@@ -41,14 +41,15 @@ def _norm(x, w, eps=1e-6):
     return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def dflash_reference(m: Drafter, features: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+def dflash_reference(m: Drafter, features: torch.Tensor, block: torch.Tensor, positions=None) -> torch.Tensor:
     """One request, float64, no cache: features [C, F] of all committed tokens (positions 0..C-1),
-    block embeddings [S, hidden] at positions C..C+S-1; non-causal attention over context + block."""
+    block embeddings [S, hidden] at positions C..C+S-1; non-causal attention over context + block.
+    positions: int64 [C + S], other sequence positions of the context rows and the block."""
     cfg, dd = m.cfg, torch.float64
     w = {k: v.to(dd) for k, v in m.state_dict().items()}
     ctx = _norm(features.to(dd) @ w["fc.weight"].T, w["hidden_norm.weight"])
     c, s = ctx.shape[0], block.shape[0]
-    pos = torch.arange(c + s)
+    pos = torch.arange(c + s) if positions is None else positions
     x = block.to(dd)
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
@@ -204,3 +205,27 @@ def test_a_kimi_k25_style_drafter_without_target_layers(tmp_path):
     assert drafter.cfg.target_layer_ids == (1, 5) and drafter.fc.weight.shape == (64, 128)
     for name, p in drafter.state_dict().items():
         torch.testing.assert_close(p, model.state_dict()[name].float())
+
+
+@torch.no_grad()
+def test_rows_left_out_of_the_context_keep_every_key_at_its_true_position():
+    """A context that left committed rows out (DrafterCache.skipped: budget="auto"'s plain steps)
+    is the reference's attention over the rows it holds, each at its sequence position, with the
+    block after the last committed token: a gap is only keys that are not there."""
+    m = _random_drafter(seed=6)
+    gen = torch.Generator().manual_seed(7)
+    feats, block = torch.randn(1, 10, 128, generator=gen), torch.randn(1, 4, 64, generator=gen)
+    cache = m.new_cache(1, 32)
+    cache.skipped = torch.tensor([0])
+    m.append_context(cache, feats[:, :5], torch.tensor([5]))  # positions 0..4
+    cache.skipped = torch.tensor([3])  # rows 5..7 left out
+    m.append_context(cache, feats[:, 8:], torch.tensor([2]))  # positions 8, 9 at entries 5, 6
+    assert cache.lengths.tolist() == [7] and cache.next_positions().tolist() == [10]
+    got = m(block, cache)
+    held = torch.tensor([0, 1, 2, 3, 4, 8, 9])
+    want = dflash_reference(m, feats[0, held], block[0], torch.cat([held, torch.arange(10, 14)]))
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
+    whole = m.new_cache(1, 32)
+    m.append_context(whole, feats, torch.tensor([10]))
+    for k_gap, k_whole in zip(cache.keys, whole.keys):  # the held rows' keys are the whole context's
+        torch.testing.assert_close(k_gap[0, :7], k_whole[0, held], rtol=1e-6, atol=1e-6)

@@ -46,7 +46,9 @@ class BatchState:
     pending_features [max_batch, PENDING_ROWS, feature width]: committed rows' target features that
                   plain steps set aside for the drafter's context, appended PENDING_ROWS at a time
                   or before the next draft (one weight read for many rows); pending_rows int64
-                  how many each slot holds
+                  how many each slot holds. A plain step may also leave its row out (budget
+                  "auto" far from its next tree): then prefix_lens exceeds the context entries
+                  plus the set-aside rows, and the context keeps true positions (drafter_view)
     """
 
     def __init__(self, max_batch: int, pages_per_request: int, device: torch.device, drafter=None,
@@ -106,6 +108,11 @@ class BatchState:
         return self.active[:bucket] & (self.remaining[:bucket] > 0)
 
     def drafter_view(self, bucket: int) -> DrafterCache:
-        """The first `bucket` slots of the drafter context (views: appends write through)."""
+        """The first `bucket` slots of the drafter context (views: appends write through), with
+        the committed rows it left out: a slot's committed tokens are its context entries, its
+        set-aside rows and the rows plain steps left out (skipped), which neither appends nor
+        commits change until the round's end."""
         d = self.drafter
-        return DrafterCache([k[:bucket] for k in d.keys], [v[:bucket] for v in d.values], d.lengths[:bucket])
+        lengths = d.lengths[:bucket]
+        skipped = self.prefix_lens[:bucket].long() - lengths - self.pending_rows[:bucket]
+        return DrafterCache([k[:bucket] for k in d.keys], [v[:bucket] for v in d.values], lengths, skipped)

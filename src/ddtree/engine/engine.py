@@ -114,6 +114,7 @@ class Engine(Stepping, OfflineGeneration):
         if self.kept_costs == "use" and (kept := kept_table(self.signature)) is not None:
             self.sizer.add_costs(kept)
         self._waiting: deque[Request] = deque()
+        self._caller_waits_for_all = False  # generate: the whole batch's end counts (TreeSizer.choose's closed)
         self._running: dict[int, Request] = {}  # slot -> request
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -32,6 +32,7 @@ class OfflineGeneration:
             raise
         bar = _progress(len(ids)) if progress else None
         pending = set(ids)
+        self._caller_waits_for_all = True
         try:
             while pending:
                 for out in self.step():
@@ -46,6 +47,8 @@ class OfflineGeneration:
                 except KeyError:
                     pass
             raise
+        finally:
+            self._caller_waits_for_all = False
         if bar is not None:
             bar.close()
         return [self.take_result(request_id) for request_id in ids]

@@ -2,10 +2,10 @@
 
 For every batch bucket, `bucket` requests of random prompt tokens fill slots 0 .. bucket - 1 and
 the engine steps them with the tree size forced, one size after another (0: plain decode steps);
-each (bucket, size) gets the median wall time of its steps (a plain step: the mean over one
-cycle of the rows it sets aside for the drafter, the append included) after a warm-up that compiles the
-kernels and captures the round's CUDA graphs: the plain steps' warm-up runs long enough to append
-the rows they set aside for the drafter twice, and a tree's starts with plain steps before trees
+each (bucket, size) gets the median wall time of its steps after a warm-up that compiles the
+kernels and captures the round's CUDA graphs. A plain step is timed as most of auto's are, leaving
+its row out of the drafter's context (engine/sizing.py); its warm-up first runs plain steps that set
+their rows aside long enough to append them twice, and a tree's starts with plain steps before trees
 twice (a tree after plain steps appends them first), so that these rounds' graphs are captured
 here and not on the request path. A step's wall time in steady state is what a user
 waits for per round: the device's round, or the host's work when that is longer (overlap on),
@@ -58,7 +58,7 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     if warmup < 3 or repeats < 1 or passes < 1:
         raise ValueError(f"need warmup >= 3 (compile, capture, first replay), repeats >= 1 and passes >= 1, "
                          f"got {warmup}, {repeats}, {passes}")
-    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + max(repeats, PENDING_ROWS))
+    prefix, new_tokens, fit = stand_in_geometry(engine, prefix, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + repeats)
     if fit < 1:
         raise ValueError(f"the KV cache (num_pages={engine.blocks.num_pages} of {engine.page_size} slots) cannot hold "
                          f"one stand-in request to measure round costs ({prefix} + {new_tokens} tokens)")
@@ -120,24 +120,22 @@ def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: 
         if engine.num_running != len(prompts):
             raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests fit in the KV cache "
                                f"(num_pages={engine.blocks.num_pages}) to measure a batch of {len(prompts)}")
-        # A plain step's cost is the mean over one cycle of set-aside rows (its append included);
-        # a stall past 4x the median counts as 4x.
-        timed = max(repeats, PENDING_ROWS) if size == 0 else repeats
         times, tokens = [], []
         last = time.perf_counter()
-        for forced in _warm_sizes(size, warmup) + [size] * timed:
+        warm = _warm_sizes(size, warmup)
+        for i, forced in enumerate(warm + [size] * repeats):
             sizer.forced = forced
+            # plain warm-up steps set rows aside (their graphs, the append's); the last ones and the timed ones do not
+            sizer.forced_set_aside = not (size == 0 and i >= len(warm) - warmup)
             outputs = engine.step()
             now = time.perf_counter()
             times.append(now - last)
             tokens.append(sum(len(o.new_token_ids) for o in outputs))
             last = now
-        times, tokens = times[-timed:], tokens[-timed:]
-        middle = statistics.median(times)
-        seconds = statistics.mean(min(t, 4 * middle) for t in times) if size == 0 else middle
-        return seconds, statistics.mean(tokens)
+        times, tokens = times[-repeats:], tokens[-repeats:]
+        return statistics.median(times), statistics.mean(tokens)
     finally:
-        sizer.forced = None
+        sizer.forced, sizer.forced_set_aside = None, True
         for request_id in ids:
             engine.abort(request_id)
         engine.drain()
@@ -146,7 +144,7 @@ def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: 
 def _warm_sizes(size: int, warmup: int) -> list[int]:
     """The forced sizes of a shape's warm-up steps (see the module's docstring)."""
     if size == 0:
-        return [0] * max(warmup, 2 * PENDING_ROWS + 1)
+        return [0] * (2 * PENDING_ROWS + 1 + warmup)
     return [0, size, 0, size] + [size] * warmup
 
 

@@ -104,6 +104,8 @@ class Request:
         self.slot: int | None = None
         self.prefix_len = 0  # host mirror of the cache's committed entries
         self.pending_rows = 0  # at most the rows its slot holds set aside for the drafter (engine/batch.py)
+        self.accepted_nodes = 0.0  # budget "auto": tree nodes it had accepted, and what the pooled
+        self.expected_nodes = 0.0  # rates expected of the same rounds (engine/sizing.py)
         self.finish_reason: str | None = None
         self.stats = GenerationStats()
         self.started = 0.0

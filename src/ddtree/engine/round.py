@@ -122,6 +122,7 @@ def _ar_step(ctx, state, plan, max_depth, timer):
     chosen = _choose(state, plan, logits, positions)[:, 0]
     timer.mark("accept")
     accept_len = active.long()
+    state.prefix_lens[s] += num_rows  # first: a flush places the set-aside rows by it
     if plan.features:  # the drafter's context takes this row at the next flush, with others at once
         s_rows = torch.arange(plan.bucket, device=ids.device)
         pending = state.pending_rows[s]
@@ -129,7 +130,6 @@ def _ar_step(ctx, state, plan, max_depth, timer):
         pending += accept_len
         if plan.flush:
             _flush(ctx, state, plan)
-    state.prefix_lens[s] += num_rows
     state.remaining[s] -= accept_len
     state.bonus[s] = chosen
     timer.mark("commit")

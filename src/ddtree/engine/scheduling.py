@@ -55,17 +55,18 @@ def key_bound(longest: int, limits: PlanLimits) -> int:
     return min(bound, limits.drafter_capacity)
 
 
-def batch_requests(requests: list[Request], limits: PlanLimits, sizer, behind: int = 0) -> RoundPlan:
+def batch_requests(requests: list[Request], limits: PlanLimits, sizer, behind: int = 0, closed: bool = False) -> RoundPlan:
     """The plan of one round over `requests` (each in its slot); behind: tokens a round still in
     flight may have committed beyond the host's prefix lengths. "auto" requests take the size
-    `sizer` chooses (at least what the batch's other requests need)."""
+    `sizer` chooses (at least what the batch's other requests need); closed: the caller waits
+    for the whole batch and nothing is queued (TreeSizer.choose)."""
     bucket = bucket_for(max(r.slot for r in requests) + 1, limits.max_batch)
     auto = [r for r in requests if r.auto]
     fixed = [r for r in requests if not r.auto]
     budget = max((r.node_limit for r in fixed), default=0)
     if auto:
         expected = sum(r.stats.mean_acceptance_length or 1.0 for r in fixed)
-        budget = sizer.choose(bucket, auto, expected, budget)
+        budget = sizer.choose(bucket, auto, expected, budget, closed)
     paths = bool(auto) and budget > 0  # what auto requests accepted teaches the sizer
     trees = [r.budget for r in fixed if r.mode == "ddtree"] + ([budget] if paths else [])
     k = min(max(trees), limits.vocab_size) if trees else 1
@@ -73,9 +74,9 @@ def batch_requests(requests: list[Request], limits: PlanLimits, sizer, behind: i
     key_limit = None
     if budget > 0:  # the drafter runs: read keys up to the longest context + its block
         key_limit = key_bound(max(r.prefix_len for r in requests) + behind + limits.max_depth + 1, limits)
-    # "auto" requests keep the drafter's context through plain steps too (set aside, appended a
-    # batch of rows at a time), so that a tree can follow any step.
-    features = budget > 0 or bool(auto)
+    # "auto" requests keep the drafter's context through the plain steps before a tree (set aside,
+    # appended a batch of rows at a time); other plain steps leave their rows out and cost an ar step.
+    features = budget > 0 or (bool(auto) and sizer.set_aside)
     if budget == 0:
         flush = features and any(r.pending_rows + 1 >= PENDING_ROWS for r in requests)
     else:

@@ -19,6 +19,16 @@ What is known is kept fresh by exploring, at a bounded cost:
 - on plain steps, a probe (the best tree) after `wait` plain steps; each probe doubles the wait
   up to `max_wait`, a tree chosen on its merits resets it. A drafter that keeps failing costs
   at most about (tree cost / plain cost - 1) / max_wait over plain decoding.
+When the caller waits for the whole batch (Engine.generate, nothing queued: `closed`), what counts
+is when its last request ends, not the tokens per second of each round: trees finish requests at
+different rounds and the batch lasts as long as its slowest one. Then the size is the one whose
+slowest request is expected to end first, each request's tokens scaled by how its accepted nodes
+compared with the pooled rates so far (a prior of PRIOR_NODES nodes pulls it to 1).
+
+A plain step keeps its row for the drafter's context (set aside, engine/batch.py) only within
+PENDING_ROWS steps of a tree it knows of (a probe, or a burst's end); the others cost what an `ar`
+step costs and leave their rows out of the context, whose keys keep their true positions.
+
 The choice is host arithmetic on values already read back: no new synchronization.
 """
 
@@ -30,11 +40,13 @@ from pathlib import Path
 import numpy as np
 
 from .acceptance import AcceptanceLedger
+from .batch import PENDING_ROWS
 from .costs import RoundCosts, StepCorrection, check_signature
 from .round import result_width
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
+PRIOR_NODES = 8.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 8 nodes
 
 
 def best_size(sizes: list[int], seconds: list[float], tokens: list[float]) -> int:
@@ -95,6 +107,8 @@ class TreeSizer:
         self.state = self.fresh_state()
         self.costs = costs
         self.forced: int | None = None  # a fixed size for every round (cost measurement)
+        self.forced_set_aside = True  # with a forced size: plain steps keep their rows for the drafter
+        self.set_aside = True  # the last plain step chosen keeps its rows for the drafter
         self.skipped: set[int] = set()  # buckets the KV cache could not measure (nearest measured one used)
         self.failure: str | None = None  # why no measurement could run (then: the smallest tree)
 
@@ -143,10 +157,14 @@ class TreeSizer:
             self.costs.merge(table)
             self._rows = {}
 
-    def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int) -> int:
+    def choose(self, bucket: int, auto: list, fixed_tokens: float, floor: int, closed: bool = False) -> int:
         """The round's size for `auto` requests (engine Requests) in a batch whose other requests
-        need at least `floor` nodes and are expected to commit `fixed_tokens`."""
+        need at least `floor` nodes and are expected to commit `fixed_tokens`; closed: the caller
+        waits for the whole batch and nothing is queued (the slowest request's end counts). Sets
+        `set_aside` for a plain step."""
+        self.set_aside = True
         if self.forced is not None:
+            self.set_aside = self.forced_set_aside
             return max(self.forced, floor)
         candidates, table = self._row(bucket, floor)
         if table is None or len(candidates) == 1:
@@ -166,7 +184,10 @@ class TreeSizer:
         caps = np.fromiter((r.remaining_tokens() for r in auto), np.float64, len(auto))
         # a request commits at most what it has left: [requests, sizes] summed over requests
         tokens = (fixed_tokens + np.minimum(ledger.tokens_of(known)[None, :], caps[:, None]).sum(0)).tolist()
-        size = best_size(known, seconds, tokens)
+        if closed and floor == 0 and fixed_tokens == 0:
+            size = self._soonest_done(known, seconds, auto, caps)
+        else:
+            size = best_size(known, seconds, tokens)
         if size == 0:
             return self._plain_or_probe(bucket, known, seconds, tokens, caps)
         state.plain_steps, state.wait = 0, self.first_wait
@@ -191,13 +212,25 @@ class TreeSizer:
         state = self.state
         state.plain_steps += 1
         if state.plain_steps < state.wait or caps.max(initial=0) <= 1:
-            return 0  # a request about to end learns nothing it can use
+            # the drafter needs the rows of the steps just before the probe; a request about to end none
+            self.set_aside = state.wait - state.plain_steps < PENDING_ROWS and caps.max(initial=0) > 1
+            return 0
         state.plain_steps, state.wait = 0, min(2 * state.wait, self.max_wait)
         trees = [i for i, s in enumerate(known) if s > 0]
         probe = best_size([known[i] for i in trees], [seconds[i] for i in trees], [tokens[i] for i in trees])
         if not state.correction.seen(bucket, probe):
             state.burst = (probe, 1)  # a second round teaches the correction its cost
         return probe
+
+    def _soonest_done(self, known: list[int], seconds: list[float], auto: list, caps: np.ndarray) -> int:
+        """The size (of `known`, 0 included) whose slowest request is expected to end first. A
+        request's accepted nodes per round at size s: the pooled rate's times its own scale."""
+        nodes = self.state.ledger.tokens_of(known) - 1.0  # [S] accepted nodes per round, pooled
+        scale = np.fromiter(((r.accepted_nodes + PRIOR_NODES) / (r.expected_nodes + PRIOR_NODES) for r in auto),
+                            np.float64, len(auto))
+        per_round = np.minimum(1.0 + scale[:, None] * nodes[None, :], caps[:, None])  # [R, S] tokens
+        rounds = np.ceil(caps[:, None] / np.maximum(per_round, 1.0)).max(0)  # [S]: the slowest request's
+        return known[int(np.argmin(rounds * np.asarray(seconds)))]  # ties to the smaller size
 
     def observe_step(self, bucket: int, size: int, seconds: float) -> None:
         """A real step of `size` at `bucket` took `seconds` of wall time: teach the correction how
@@ -208,15 +241,25 @@ class TreeSizer:
         if table is not None and size in candidates:
             self.state.correction.observe(bucket, size, seconds, float(table[candidates.index(size)]))
 
-    def learn(self, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
+    def learn(self, requests: list, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
         """Read a tree round's result (int64 [bucket, round.result_width]) for its "auto" requests
-        (in `slots` during that round) into the ledger."""
-        if not plan.paths or not slots:
+        (engine Requests, in `slots` during that round) into the ledger, and into each request's
+        accepted and expected nodes."""
+        if not plan.paths or not requests:
             return
         rows = result[slots]
-        rows = rows[rows[:, 0] >= 1]  # a slot out of tokens sat the round out
+        took_part = rows[:, 0] >= 1  # a slot out of tokens sat the round out
+        ledger = self.state.ledger
+        verified = min(plan.budget, ledger.largest)
+        expected = ledger.tokens(verified) - 1.0 if 0 < verified <= ledger.frontier else None
+        if expected is not None:
+            for request, row, part in zip(requests, rows, took_part):
+                if part:
+                    request.accepted_nodes += float(row[0] - 1)
+                    request.expected_nodes += expected
+        rows = rows[took_part]
         start = result_width(self.max_depth, moe_layers if plan.experts else 0)  # the paths' columns follow
-        self.state.ledger.observe(rows[:, start : start + self.max_depth + 1], rows[:, 0], plan.budget)
+        ledger.observe(rows[:, start : start + self.max_depth + 1], rows[:, 0], plan.budget)
 
     def _measured_bucket(self, bucket: int) -> int:
         """`bucket`, or the nearest measured one (the next larger first)."""

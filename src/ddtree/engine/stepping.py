@@ -89,7 +89,8 @@ class Stepping:
         # With a round in flight the host's prefix lengths may be one round behind: reserve for
         # the most that round can commit (BatchState.remaining keeps it within worst_rows).
         behind = self.max_depth + 1 if self._inflight is not None else 0
-        plan = batch_requests(requests, self.limits, self.sizer, behind)
+        closed = self._caller_waits_for_all and not self._waiting  # the slowest request's end counts
+        plan = batch_requests(requests, self.limits, self.sizer, behind, closed)
         self.blocks.reserve([(r.slot, min(r.worst_rows(), r.prefix_len + behind + r.node_limit + 1), r.id)
                              for r in requests])
         timer = StageTimer(self.device, self.time_stages)
@@ -116,10 +117,10 @@ class Stepping:
             request.stats.add_round(len(kept), min(request.node_limit, flight.plan.budget), seconds, experts)
             if request.auto:
                 auto.append(request)
-                slots.append(request.slot)
+                slots.append(request.slot)  # before a finished request gives its slot up
             outputs.append(self._finish_or_stream(request, kept))
         if auto and self.sizer.forced is None:
-            self.sizer.learn(slots, flight.array(), flight.plan, self.moe_layers)
+            self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
         # One step's wall time: this read since the last one, when both rounds had one shape. After
         # a step of another shape the interval also holds that step's tail and the switch.
         if auto and previous is not None and previous[1] == shape:

@@ -102,11 +102,22 @@ def rotate_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch
 
 @dataclass
 class DrafterCache:
-    """Per layer, the context keys and values [B, capacity, kv_heads, head_dim]; lengths int64 [B]."""
+    """Per layer, the context keys and values [B, capacity, kv_heads, head_dim]; lengths int64 [B]
+    (entries held). skipped: optional int64 [B], committed tokens the context left out (a plain
+    step of budget="auto" may leave its row out): the next entry's position is lengths + skipped,
+    so every key keeps its token's true position and a gap is only keys not there."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     lengths: torch.Tensor
+    skipped: torch.Tensor | None = None
+
+    def next_positions(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 [B] (or [len(rows)]): the sequence position of each slot's next entry."""
+        lengths = self.lengths if rows is None else self.lengths[rows]
+        if self.skipped is None:
+            return lengths
+        return lengths + (self.skipped if rows is None else self.skipped[rows])
 
 
 class DrafterAttention(nn.Module):
@@ -128,7 +139,7 @@ class DrafterAttention(nn.Module):
         return k, self.v_proj(x).view(shape)
 
     def forward(self, x, positions, k_cache, v_cache, ctx_len, key_limit: int | None = None) -> torch.Tensor:
-        """Block x [B, S, hidden] at positions [B, S] attends, non-causally, to the first
+        """Block x [B, S, hidden] at sequence positions [B, S] attends, non-causally, to the first
         ctx_len [B] context entries of k_cache / v_cache [B, capacity, kv_heads, head_dim] and to
         itself.
 
@@ -142,8 +153,9 @@ class DrafterAttention(nn.Module):
         q = rotate_half(self.q_norm(self.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim)), positions, cfg.rope_theta)
         k_blk, v_blk = self.project_kv(x, positions)
         rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
-        k_cache[rows, positions] = k_blk.to(k_cache.dtype)
-        v_cache[rows, positions] = v_blk.to(v_cache.dtype)
+        slots = ctx_len[:, None] + torch.arange(s, device=x.device)
+        k_cache[rows, slots] = k_blk.to(k_cache.dtype)
+        v_cache[rows, slots] = v_blk.to(v_cache.dtype)
         limit = k_cache.shape[1] if key_limit is None else key_limit
         k, v = k_cache[:, :limit].transpose(1, 2), v_cache[:, :limit].transpose(1, 2)  # views, no copy
         seen = torch.arange(limit, device=x.device)[None, :] < (ctx_len + s)[:, None]  # context + whole block
@@ -189,7 +201,8 @@ class Drafter(nn.Module):
     def append_context(self, cache: DrafterCache, features: torch.Tensor, counts: torch.Tensor, *, check: bool = True,
                        rows: torch.Tensor | None = None) -> None:
         """Project newly committed tokens' target features [B, C, len(target_layer_ids) * hidden]
-        (the first counts[b] valid) into every layer's cache at positions lengths .. lengths + C - 1.
+        (the first counts[b] valid) into every layer's cache at entries lengths .. lengths + C - 1
+        (sequence positions from cache.next_positions()).
 
         All C slots are written (static shapes, no data-dependent indexing): slots past
         lengths + counts hold garbage that attention never reads and the next append overwrites.
@@ -202,21 +215,23 @@ class Drafter(nn.Module):
         if check and int(lengths.max()) + c > cache.keys[0].shape[1]:
             raise ValueError(f"drafter cache capacity {cache.keys[0].shape[1]} exceeded")
         ctx = self.hidden_norm(self.fc(features))
-        positions = lengths[:, None] + torch.arange(c, device=features.device)
+        steps = torch.arange(c, device=features.device)
+        slots, positions = lengths[:, None] + steps, cache.next_positions(rows)[:, None] + steps
         row_index = rows[:, None].expand(b, c)
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
             k, v = layer.self_attn.project_kv(ctx, positions)
-            k_cache[row_index, positions] = k.to(k_cache.dtype)
-            v_cache[row_index, positions] = v.to(v_cache.dtype)
+            k_cache[row_index, slots] = k.to(k_cache.dtype)
+            v_cache[row_index, slots] = v.to(v_cache.dtype)
         cache.lengths.index_add_(0, rows, counts.long())
 
     def forward(self, block_embeds: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:
         """block_embeds [B, block_size, hidden]: the target's embeddings of [bonus, mask, ...];
-        the block sits at positions lengths .. lengths + block_size - 1. Returns the normed hidden
+        the block sits at positions next_positions() .. + block_size - 1 (entries lengths ..).
+        Returns the normed hidden
         states of the block [B, block_size, hidden]; slots 1.. predict the next block_size - 1 tokens.
         The cache needs block_size free slots past each request's context (DrafterAttention.forward);
         key_limit: optional bound on max(lengths) + block_size, to read fewer keys."""
-        positions = cache.lengths[:, None] + torch.arange(block_embeds.shape[1], device=block_embeds.device)
+        positions = cache.next_positions()[:, None] + torch.arange(block_embeds.shape[1], device=block_embeds.device)
         x = block_embeds
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
             x = x + layer.self_attn(layer.input_layernorm(x), positions, k_cache, v_cache, cache.lengths, key_limit)

@@ -226,8 +226,7 @@ class TreeSizer:
         """The size (of `known`, 0 included) whose slowest request is expected to end first. A
         request's accepted nodes per round at size s: the pooled rate's times its own scale."""
         nodes = self.state.ledger.tokens_of(known) - 1.0  # [S] accepted nodes per round, pooled
-        scale = np.fromiter(((r.accepted_nodes + PRIOR_NODES) / (r.expected_nodes + PRIOR_NODES) for r in auto),
-                            np.float64, len(auto))
+        scale = np.array([(r.accepted_nodes + PRIOR_NODES) / (r.expected_nodes + PRIOR_NODES) for r in auto])
         per_round = np.minimum(1.0 + scale[:, None] * nodes[None, :], caps[:, None])  # [R, S] tokens
         rounds = np.ceil(caps[:, None] / np.maximum(per_round, 1.0)).max(0)  # [S]: the slowest request's
         return known[int(np.argmin(rounds * np.asarray(seconds)))]  # ties to the smaller size
@@ -248,18 +247,20 @@ class TreeSizer:
         if not plan.paths or not requests:
             return
         rows = result[slots]
-        took_part = rows[:, 0] >= 1  # a slot out of tokens sat the round out
+        committed = rows[:, 0].tolist()
+        rows = rows[rows[:, 0] >= 1]  # a slot out of tokens sat the round out
         ledger = self.state.ledger
-        verified = min(plan.budget, ledger.largest)
-        expected = ledger.tokens(verified) - 1.0 if 0 < verified <= ledger.frontier else None
-        if expected is not None:
-            for request, row, part in zip(requests, rows, took_part):
-                if part:
-                    request.accepted_nodes += float(row[0] - 1)
-                    request.expected_nodes += expected
-        rows = rows[took_part]
         start = result_width(self.max_depth, moe_layers if plan.experts else 0)  # the paths' columns follow
         ledger.observe(rows[:, start : start + self.max_depth + 1], rows[:, 0], plan.budget)
+        # Expected from the ledger with this round in it (1 / memory of its weight): one
+        # computation of the rates shared with the next choice.
+        verified = min(plan.budget, ledger.largest)
+        if 0 < verified <= ledger.frontier:
+            expected = ledger.tokens(verified) - 1.0
+            for request, tokens in zip(requests, committed):
+                if tokens >= 1:
+                    request.accepted_nodes += tokens - 1
+                    request.expected_nodes += expected
 
     def _measured_bucket(self, bucket: int) -> int:
         """`bucket`, or the nearest measured one (the next larger first)."""

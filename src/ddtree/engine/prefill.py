@@ -5,6 +5,8 @@ over the part already in the cache; `chunk` bounds the rows per request per call
 prompt is spread over several forwards. Only each prompt's last row goes through the lm_head. The
 hidden states of the drafter's target layers are appended to its context for every prompt token,
 and the target's choice after the last row is the first generated token (the first bonus).
+Its host inputs reach the device through page-locked memory (paged.to_device), so the host
+queues the whole prefill behind the round in flight without waiting for it.
 Attention is MLA's prefill form: the cached latents expanded with kv_b_proj, causal SDPA
 (models/paged.py's PrefillMeta).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.paged import PrefillMeta
+from ..models.paged import PrefillMeta, to_device
 from .batch import BatchState
 from .round import RoundContext
 from .sampling import choose_tokens
@@ -33,8 +35,8 @@ def prefill(ctx: RoundContext, state: BatchState, slots: list[int], prompts: lis
         ids = torch.zeros(len(part), rows, dtype=torch.int64)
         for j, i in enumerate(part):
             ids[j, : counts[j]] = torch.tensor(prompts[i][start : start + counts[j]])
-        ids = ids.to(device)
-        part_slots = torch.tensor([slots[i] for i in part], device=device)
+        ids = to_device(ids, torch.int64, device)
+        part_slots = to_device([slots[i] for i in part], torch.int64, device)
         meta = PrefillMeta.build(state.block_table[part_slots], [start] * len(counts), counts, rows,
                                  page_size=ctx.page_size, scratch_page=ctx.scratch_page)
         num_rows = meta.num_rows
@@ -46,8 +48,8 @@ def prefill(ctx: RoundContext, state: BatchState, slots: list[int], prompts: lis
             if start + counts[j] == lengths[i]:
                 last_logits[i] = logits[j, 0]
     logits = torch.stack(last_logits)[:, None]  # [B, 1, V]
-    slot_ids = torch.tensor(slots, device=device)
-    positions = torch.tensor(lengths, device=device)[:, None]  # the first new token's position
+    slot_ids = to_device(slots, torch.int64, device)
+    positions = to_device(lengths, torch.int64, device)[:, None]  # the first new token's position
     first = choose_tokens(logits, positions, state.temperature[slot_ids], state.top_k[slot_ids], state.top_p[slot_ids],
                           state.seed[slot_ids], any_sampled=any_sampled, any_filtered=any_filtered)[:, 0]
     state.prefix_lens[slot_ids] = positions[:, 0].int()

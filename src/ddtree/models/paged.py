@@ -88,6 +88,17 @@ def cache_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, offsets: t
     return torch.where(keep, pages * page_size + slots % page_size, scratch_page * page_size + r % page_size)
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) as a tensor on `device`, queued behind the work already there.
+    On CUDA it goes through page-locked memory: a copy from pageable memory waits for the stream,
+    so a prefill that built its inputs that way waited for the round in flight and then for its
+    own kernels, once per input."""
+    host = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class PrefillMeta:
     """Per-forward metadata of a prefill chunk (B requests, N rows, L = max(prefix_lens) + N keys).
@@ -135,8 +146,8 @@ class PrefillMeta:
         if not all(0 <= n <= rows for n in num_rows) or min(prefix_lens, default=0) < 0:
             raise ValueError(f"need 0 <= num_rows <= rows={rows} and prefix_lens >= 0, got {num_rows}, {prefix_lens}")
         device = block_table.device
-        prefix = torch.tensor(prefix_lens, dtype=torch.int32, device=device)
-        valid = torch.tensor(num_rows, dtype=torch.int32, device=device)
+        prefix = to_device(prefix_lens, torch.int32, device)
+        valid = to_device(num_rows, torch.int32, device)
         positions = prefix.long()[:, None] + torch.arange(rows, device=device)
         keys = max(prefix_lens, default=0) + rows
         key_index = torch.arange(keys, device=device).expand(batch, keys)

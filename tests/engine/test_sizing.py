@@ -273,8 +273,8 @@ def test_a_closed_batch_takes_the_size_whose_slowest_request_ends_first():
     sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.2, 2: 2.25, 4: 2.3, 8: 2.8, 16: 4.0})), [1, 2, 3])
     fast, slow = FakeRequest(100), FakeRequest(100)
     assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 4
-    fast.accepted_nodes, fast.expected_nodes = 30.0, 30.0
-    slow.accepted_nodes, slow.expected_nodes = 2.0, 30.0  # its tokens at 4: 1 + 3 (2 + prior) / (30 + prior)
+    fast.accepted_nodes, fast.expected_nodes = 90.0, 90.0
+    slow.accepted_nodes, slow.expected_nodes = 2.0, 90.0  # its tokens at 4: 1 + 3 (2 + prior) / (90 + prior)
     assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 0
     assert sizer.choose(1, [fast, slow], 0.0, 0) == 4
     slow.remaining = 20  # the lagging request is nearly done: the other's end counts
@@ -294,3 +294,25 @@ def test_learning_a_round_counts_each_request_s_accepted_and_expected_nodes():
     assert (a.accepted_nodes, a.expected_nodes) == (3.0, pytest.approx(expected))
     assert (b.accepted_nodes, b.expected_nodes) == (0.0, 0.0)
     assert (c.accepted_nodes, c.expected_nodes) == (0.0, pytest.approx(expected))
+
+
+def test_a_plain_run_holds_until_its_probe_unless_its_batch_or_a_cost_changes():
+    """Between probes a plain run is not chosen again (host time per step), while its batch keeps
+    its bucket, its requests and its switches; a plain step's cost seen far from the table's makes
+    the next step choose again."""
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.1, 4: 2.3, 8: 2.8, 16: 4.0}), first_wait=64,
+                             max_wait=64), [])
+    request = FakeRequest()
+    assert sizer.choose(1, [request], 0.0, 0) == 0 and sizer.state.held == (1, 0, False, 1)
+    sizer.state.ledger.observe(np.array([path([1, 2, 3, 4, 5, 6, 7])[0]] * 8), np.array([8] * 8), 16)
+    assert sizer.choose(1, [request], 0.0, 0) == 0  # held: what trees would commit now is not looked at
+    assert sizer.choose(1, [request, FakeRequest()], 0.0, 0) > 0  # another request: chosen again
+    plain = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.0, 4: 2.0, 8: 2.0, 16: 2.0}), first_wait=64,
+                             max_wait=64), [1], 4)
+    feed(plain.state.ledger, [], 16, 4)
+    assert plain.choose(1, [request], 0.0, 0) == 0
+    plain.observe_step(1, 0, 1.01)  # about the table's cost: still held
+    assert plain.state.held is not None
+    for _ in range(2):
+        plain.observe_step(1, 0, 2.0)
+    assert plain.state.held is None and plain.choose(1, [request], 0.0, 0) > 0

@@ -46,7 +46,7 @@ from .round import result_width
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
-PRIOR_NODES = 8.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 8 nodes
+PRIOR_NODES = 24.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 24 nodes
 
 
 def best_size(sizes: list[int], seconds: list[float], tokens: list[float]) -> int:
@@ -79,7 +79,8 @@ class SizerState:
     ledger: tokens per size; correction: real step costs over the table's; rounds: tree rounds
     chosen (the exploration clock); plain_steps: plain steps since the last tree; wait: plain steps
     before the next probe; burst: (size, steps still to run) of an exploration under way;
-    plain_tried: bucket -> `rounds` at its last plain burst."""
+    plain_tried: bucket -> `rounds` at its last plain burst; held: (bucket, floor, closed, auto
+    requests) of the batch a plain run was chosen for (held without re-choosing until its probe)."""
 
     ledger: AcceptanceLedger
     wait: float
@@ -88,6 +89,7 @@ class SizerState:
     plain_steps: int = 0
     burst: tuple[int, int] | None = None
     plain_tried: dict[int, int] = field(default_factory=dict)
+    held: tuple | None = None
 
 
 class TreeSizer:
@@ -142,6 +144,7 @@ class TreeSizer:
     def costs(self, table: RoundCosts | None) -> None:
         self._costs = table
         self.state.correction = StepCorrection()  # its ratios are over this table's predictions
+        self.state.held = None
         self._rows: dict = {}  # (bucket, floor) -> the candidates and their seconds in the table
 
     def unmeasured(self, buckets: list[int]) -> list[int]:
@@ -166,10 +169,17 @@ class TreeSizer:
         if self.forced is not None:
             self.set_aside = self.forced_set_aside
             return max(self.forced, floor)
+        state = self.state
+        if state.held == (bucket, floor, closed, len(auto)) and state.plain_steps + 1 < state.wait:
+            # A plain run holds until its probe while its batch stays as it was: nothing it was
+            # chosen on has changed but the requests' remaining tokens, and fewer favour it more.
+            state.plain_steps += 1
+            self.set_aside = state.wait - state.plain_steps < PENDING_ROWS
+            return 0
+        state.held = None
         candidates, table = self._row(bucket, floor)
         if table is None or len(candidates) == 1:
             return next(s for s in candidates if s > 0)  # nothing measured: the cheapest tree
-        state = self.state
         if state.burst is not None:
             size, left = state.burst
             state.burst = (size, left - 1) if left > 1 else None
@@ -189,7 +199,10 @@ class TreeSizer:
         else:
             size = best_size(known, seconds, tokens)
         if size == 0:
-            return self._plain_or_probe(bucket, known, seconds, tokens, caps)
+            size = self._plain_or_probe(bucket, known, seconds, tokens, caps)
+            if size == 0:
+                state.held = (bucket, floor, closed, len(auto))
+            return size
         state.plain_steps, state.wait = 0, self.first_wait
         state.rounds += 1
         larger = [s for s in candidates if s > size]
@@ -238,7 +251,11 @@ class TreeSizer:
             return
         candidates, table = self._row(bucket, 0)
         if table is not None and size in candidates:
-            self.state.correction.observe(bucket, size, seconds, float(table[candidates.index(size)]))
+            correction = self.state.correction
+            before = correction.ratio(bucket, size)
+            correction.observe(bucket, size, seconds, float(table[candidates.index(size)]))
+            if abs(correction.ratio(bucket, size) - before) > 0.02 * before:
+                self.state.held = None  # a cost a plain run was chosen on moved: choose again
 
     def learn(self, requests: list, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
         """Read a tree round's result (int64 [bucket, round.result_width]) for its "auto" requests

@@ -1,0 +1,183 @@
+"""The same prompts through the engine and through `ddtree serve`, in one run on one device:
+does the server decode at the engine's speed (issue 36)?
+
+    python benchmarks/serve_vs_engine.py --concurrency 1 8 32 64 --modes ar ddtree:16 ddtree:auto
+    python benchmarks/serve_vs_engine.py --device cpu --concurrency 1 2 --modes ar --max-tokens 8 --requests 2
+
+First the engine, in this process: per concurrency c an Engine of max_batch c (the demo pair unless
+--target / --drafter), and per mode, after a warm-up call, one generate of the cell's prompts (all
+of them added at once and stepped as the server steps them: c requests run at once, a finished
+one's slot taken by the next prompt, as a server's c clients keep c requests in flight); its decode tokens/s leaves out each request's first
+token and the wall time of the same prompts at max_new_tokens = 1 (their prefills). Then, with this
+process's engines gone, one `ddtree serve --max-batch max(c)` on the same device, warmed with a few
+requests of each mode, and per (mode, c) the same prompts from c concurrent streamed clients
+(benchmarks/serve_bench.py's client); its decode tokens/s is the tokens after each request's first
+over the cell's wall time less the clients' mean time to first token summed per client (the
+time each client waited for its requests' first tokens).
+
+The JSON's `bars`: server_over_engine_min (the smallest ratio of the server's decode tokens/s to
+the engine's over every cell) and ttft_gap_ms_c1 (the server's median time to first token at
+concurrency 1 less the engine's median prefill per request at batch 1). Requests ignore EOS, so
+both sides make max_tokens tokens per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, markdown_table, write_results  # noqa: E402
+from serve_bench import load_prompts, make_bodies, parse_modes, run_cell  # noqa: E402
+from serve_vs_generate import free_port, start_server, stop  # noqa: E402
+
+from ddtree import Engine, SamplingParams  # noqa: E402
+
+
+def engine_cells(args, prompts: list[str], modes) -> dict:
+    """(mode label, c) -> the engine's decode tokens/s, and "prefill_ms_c1": its median prefill per request at c = 1."""
+    out = {}
+    for c in args.concurrency:
+        engine = Engine.from_pretrained(args.target, args.drafter, device=args.device, max_batch=c,
+                                        max_budget=64)
+        cell = cell_prompts(prompts, c, args.requests)
+        params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+        first = SamplingParams(max_new_tokens=1, ignore_eos=True)
+        for mode, budget in modes:
+            kind = {"mode": mode, "budget": 1 if budget is None else budget}
+            _run(engine, cell, params, kind)  # compile, capture, round costs
+            prefill = _timed(engine, lambda: _run(engine, cell, first, kind))
+            if c == 1:
+                per = [_timed(engine, lambda p=p: _run(engine, [p], first, kind)) for p in cell]
+                out["prefill_ms_c1"] = statistics.median(per) * 1e3
+            tokens = []
+            seconds = _timed(engine, lambda: tokens.extend(_run(engine, cell, params, kind)))
+            out[(label(mode, budget), c)] = (sum(tokens) - len(cell)) / max(seconds - prefill, 1e-9)
+            print(f"engine {label(mode, budget)} c={c}: {out[(label(mode, budget), c)]:.1f} decode tokens/s", flush=True)
+        engine = None  # its memory back before the next engine (and the server)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def _run(engine: Engine, prompts: list[str], params: SamplingParams, kind: dict) -> list[int]:
+    """The prompts through add_request / step, as the server drives the engine (no closed batch:
+    generate would tell the sizer the caller waits for all); each request's token count."""
+    ids = [engine.add_request(p, params, **kind) for p in prompts]
+    pending = set(ids)
+    while pending:
+        for out in engine.step():
+            if out.finished:
+                pending.discard(out.request_id)
+    return [len(engine.take_result(i).token_ids) for i in ids]
+
+
+def _timed(engine: Engine, fn) -> float:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def cell_prompts(prompts: list[str], concurrency: int, requests: int | None) -> list[str]:
+    count = requests or max(16, 4 * concurrency)
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def label(mode: str, budget) -> str:
+    return mode if budget is None else f"{mode} {budget}"
+
+
+async def server_cells(args, prompts: list[str], modes) -> dict:
+    """(mode label, c) -> the server's cell: decode tokens/s, TTFT median, errors."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(port, args.device, max(args.concurrency))
+    out = {}
+    client_args = argparse.Namespace(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, seed=None)
+    try:
+        limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+            for mode, budget in modes:
+                warm = make_bodies(client_args, prompts, mode, budget, 4, model, 0)
+                await run_cell(client, url, warm, 2)
+                for c in args.concurrency:
+                    cell = cell_prompts(prompts, c, args.requests)
+                    bodies = make_bodies(client_args, cell, mode, budget, len(cell), model, 0)
+                    records, wall = await run_cell(client, url, bodies, c)
+                    ok = [r for r in records if r["error"] is None and r["ttft"] is not None]
+                    waited = sum(r["ttft"] for r in ok) / c  # each client's wait for first tokens
+                    decode = sum(r["tokens"] - 1 for r in ok) / max(wall - waited, 1e-9)
+                    ttft = statistics.median(r["ttft"] for r in ok) * 1e3 if ok else None
+                    out[(label(mode, budget), c)] = {"decode_tokens_per_s": decode, "ttft_p50_ms": ttft,
+                                                     "errors": len(records) - len(ok), "wall_s": wall,
+                                                     "tokens": sum(r["tokens"] for r in ok)}
+                    print(f"server {label(mode, budget)} c={c}: {decode:.1f} decode tokens/s, TTFT p50 {ttft} ms, "
+                          f"{len(records) - len(ok)} errors", flush=True)
+    finally:
+        stop(server)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--target", default=None, help="target directory (default: the demo pair's)")
+    parser.add_argument("--drafter", default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--modes", default="ar,ddtree:16,ddtree:auto", help="as serve_bench's --modes")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=None, help="requests per cell (default max(16, 4 c))")
+    parser.add_argument("--prompts", default=None, help="a prompts file (serve_bench.load_prompts)")
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args()
+    if args.target is not None or args.drafter is not None:
+        raise SystemExit("--target / --drafter: the server side serves the demo pair only in this version")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment()
+    modes = parse_modes(args.modes, 16)
+    prompts = load_prompts(args.prompts)
+    engine = engine_cells(args, prompts, modes)
+    server = asyncio.run(server_cells(args, prompts, modes))
+    rows = []
+    for (name, c), cell in server.items():
+        rows.append({"mode": name, "concurrency": c, "engine_decode_tokens_per_s": engine[(name, c)],
+                     **{f"server_{k}": v for k, v in cell.items()},
+                     "server_over_engine": cell["decode_tokens_per_s"] / engine[(name, c)]})
+    c1 = [r["server_ttft_p50_ms"] for r in rows if r["concurrency"] == 1 and r["server_ttft_p50_ms"] is not None]
+    bars = {"server_over_engine_min": min(r["server_over_engine"] for r in rows),
+            "ttft_gap_ms_c1": (statistics.median(c1) - engine["prefill_ms_c1"]) if c1 and "prefill_ms_c1" in engine else None}
+    payload = {"environment": env, "device": args.device, "max_tokens": args.max_tokens, "modes": args.modes,
+               "concurrency": args.concurrency, "engine_prefill_ms_c1": engine.get("prefill_ms_c1"), "rows": rows,
+               "bars": bars}
+    table = (f"The demo pair on {args.device}: the same prompts ({args.max_tokens} tokens each, EOS ignored) through "
+             "the engine (max_batch = c, all prompts added at once) and through `ddtree serve` from c streamed "
+             "clients; decode tokens/s leaves out each request's first token and the time to it.\n\n"
+             + "\n".join(f"- {k}: {v:.3f}" if v is not None else f"- {k}: -" for k, v in bars.items()) + "\n\n"
+             + markdown_table(["mode", "c", "engine decode tokens/s", "server decode tokens/s", "server / engine",
+                               "server TTFT p50 ms", "errors"],
+                              [[r["mode"], r["concurrency"], f"{r['engine_decode_tokens_per_s']:.1f}",
+                                f"{r['server_decode_tokens_per_s']:.1f}", f"{r['server_over_engine']:.3f}",
+                                "-" if r["server_ttft_p50_ms"] is None else f"{r['server_ttft_p50_ms']:.1f}",
+                                r["server_errors"]] for r in rows]))
+    md = write_results("serve_vs_engine", payload, table, args.out_dir)
+    print(md.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -81,6 +81,16 @@ def test_the_core_serves_what_a_request_served_alone_gets(pairs, reference):
         metrics = httpx.get(f"{live.url}/metrics", timeout=5).text
         total = sum(body["usage"]["completion_tokens"] for body in got)  # the core's counts reach this registry
         assert f"ddtree_generated_tokens_total {float(total)}" in metrics
+        # The core sends token ids; this process decodes them and ends a request at its stop string
+        whole = served_alone(reference, "cabbage", 30, mode="ar")
+        stop = whole.text[4:6]
+        alone = served_alone(reference, "cabbage", 30, mode="ar", stop=[stop])
+        body = {"prompt": "cabbage", "max_tokens": 30, "temperature": 0, "stop": stop, "ddtree": {"mode": "ar"}}
+        cut = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120).json()
+        assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == (alone.text, "stop")
+        assert cut["usage"]["completion_tokens"] == len(alone.token_ids) < len(whole.token_ids)
+        health = live.wait_idle()  # the core aborted it: nothing runs, every page is free
+        assert (health["running"], health["live"], health["pages_free"]) == (0, 0, health["pages_total"])
         pid = core.pid
     assert _gone(pid, 10), "the core outlived its server"
 

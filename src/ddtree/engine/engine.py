@@ -221,11 +221,16 @@ class Engine(Stepping, OfflineGeneration):
         return min(self.blocks.num_pages, self.blocks.table.shape[1]) * self.page_size
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *, mode: str = "ddtree",
-                    budget: int | str = "auto", request_id: str | None = None) -> str:
+                    budget: int | str = "auto", request_id: str | None = None, detokenize: bool = True) -> str:
         """Queue a request; returns its id. Everything is checked here, before it can take a slot.
         budget (mode ddtree): tree nodes per round, or "auto": the engine chooses each round's size
-        by what each size measurably delivers per second (engine/sizing.py), plain steps included."""
+        by what each size measurably delivers per second (engine/sizing.py), plain steps included.
+        detokenize=False: its outputs carry token ids only (new_text None) and stop strings are the
+        caller's (a server's HTTP process decodes and cuts them, server/outputs.py)."""
         params = (params or SamplingParams()).with_seed()
+        if not detokenize and params.stop:
+            raise ValueError("stop strings need the engine's text: pass detokenize=True, or find them in the "
+                             "decoded text yourself")
         node_limit = self.node_limit(mode, budget)
         ids = self.tokenize(prompt)
         if not ids:
@@ -237,7 +242,7 @@ class Engine(Stepping, OfflineGeneration):
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
-        request = Request(request_id, ids, params, mode, budget, node_limit, stops, self.tokenizer)
+        request = Request(request_id, ids, params, mode, budget, node_limit, stops, self.tokenizer if detokenize else None)
         worst = request.worst_rows()
         if pages_for(worst, self.page_size) * self.page_size > self.request_capacity:
             raise KVCacheFull(f"request {request_id} may need {pages_for(worst, self.page_size)} KV pages "

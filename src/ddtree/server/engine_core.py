@@ -30,6 +30,7 @@ import zmq
 
 from .errors import APIError
 from .jobs import Chunk, Failed, Handle
+from .outputs import TextOutputs
 from .scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("ddtree.server")
@@ -132,7 +133,7 @@ def _core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: di
             outbox_socket.send_pyobj(("turn", events, updates, snapshot))  # never blocks: the queue has no bound
 
     scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle, **scheduler_args)
-    outbox_socket.send_pyobj(("ready", facts, scheduler.snapshot))
+    outbox_socket.send_pyobj(("ready", facts, scheduler.snapshot, engine.tokenizer))  # the HTTP process decodes
     scheduler.start()
     parent = multiprocessing.parent_process()
     try:
@@ -182,6 +183,7 @@ class EngineCore:
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
         self._process = None
+        self._outputs = TextOutputs(None)  # the requests' text, with the core's tokenizer once launched
 
     # -- start and stop -------------------------------------------------------------------------------
 
@@ -195,7 +197,7 @@ class EngineCore:
         to_core, from_core = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/from_core"
         self._to_core.bind(to_core)
         self._from_core.bind(from_core)
-        scheduler_args = dict(max_queue=1 << 30, limits=self.limits)  # the HTTP side enforces max_queue
+        scheduler_args = dict(max_queue=1 << 30, limits=self.limits, detokenize=False)  # the HTTP side: max_queue, text
         self._process = multiprocessing.get_context("spawn").Process(
             target=_core_main, args=(to_core, from_core, self.build, self.facts_of, scheduler_args),
             name="ddtree-engine-core")
@@ -221,6 +223,7 @@ class EngineCore:
 
             raise (UsageError if message[1] == "UsageError" else RuntimeError)(message[2])
         self.facts, self.snapshot = message[1], {**message[2], "queued": 0}
+        self._outputs = TextOutputs(message[3])
         return self.facts
 
     def start(self) -> None:
@@ -289,12 +292,14 @@ class EngineCore:
                 raise RuntimeError("the engine is not running") from None
             self._handles[job.request_id] = handle
             self._waiting.add(job.request_id)
+            self._outputs.open(job.request_id, tuple(job.sampling.get("stop") or ()))
         return handle
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._handles.pop(request_id, None)
             self._waiting.discard(request_id)
+            self._outputs.close(request_id)
         self._send(("abort", request_id))
 
     def _send(self, message) -> None:
@@ -339,21 +344,31 @@ class EngineCore:
         return True
 
     def _route(self, events) -> None:
+        stopped = []
         with self._lock:
             for request_id, event in events:
                 handle = self._handles.get(request_id)
-                if handle is None:  # aborted here already
+                if handle is None:  # aborted here already, or ended at a stop string
                     continue
+                if isinstance(event, Chunk):
+                    event, stop = self._outputs.process(request_id, event)
+                    if stop:
+                        stopped.append(request_id)
+                elif isinstance(event, Failed):
+                    self._outputs.close(request_id)
                 if isinstance(event, (Chunk, Failed)):
                     self._waiting.discard(request_id)
                     if isinstance(event, Failed) or event.finish_reason is not None:
                         del self._handles[request_id]
                 handle.push(event)
+        for request_id in stopped:  # the core commits on until it reads this: its chunks are dropped
+            self._send(("abort", request_id))
 
     def _fail_all(self, error: APIError) -> None:
         with self._lock:
             handles, self._handles = self._handles, {}
             self._waiting.clear()
+            self._outputs.clear()
         for handle in handles.values():
             handle.push(Failed(error))
 

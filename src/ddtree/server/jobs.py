@@ -63,12 +63,14 @@ class Accepted:
 @dataclass
 class Chunk:
     """Tokens one step committed: their text, their count, and on the last chunk why it ended
-    and the final usage. usage on other chunks: counts so far (statistics not final)."""
+    and the final usage. usage on other chunks: counts so far (statistics not final). token_ids:
+    the tokens themselves (an engine core that does not decode sends these, its text empty)."""
 
     text: str
     num_tokens: int
     usage: Usage
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -109,7 +111,7 @@ class Handle:
             event = self.queue.get_nowait()
             if isinstance(event, Chunk):
                 chunk = Chunk(chunk.text + event.text, chunk.num_tokens + event.num_tokens, event.usage,
-                              event.finish_reason)
+                              event.finish_reason, chunk.token_ids + event.token_ids)
             else:
                 self.held = event
         return chunk

@@ -18,6 +18,7 @@ for, fails the requests that were running in it, aborts them, and the loop goes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -48,18 +49,20 @@ class _Live:
     accepted_at: float
     started: bool = False  # had its first output: admitted into the batch
     produced: int = 0
+    rounds: int = 0  # outputs after the first (the prefill's): its rounds, about
 
 
 class Scheduler:
     def __init__(self, engine, metrics: Metrics, *, max_queue: int = 256, idle_wait_s: float = 0.1,
-                 limits: Limits | None = None, on_turn=None, handle_of=None):
+                 limits: Limits | None = None, on_turn=None, handle_of=None, detokenize: bool = True):
         """engine: an Engine used from this scheduler's thread only; max_queue: requests accepted
         but not yet in the batch (inbox + the engine's waiting queue) before submit refuses;
         limits: prompt length and request deadline (the rest is the HTTP side's). In an engine-core
-        process (engine_core.py): on_turn(snapshot) ends every turn of the loop, and handle_of(id)
-        makes the handles that submit returns."""
+        process (engine_core.py): on_turn(snapshot) ends every turn of the loop, handle_of(id)
+        makes the handles that submit returns, and detokenize=False leaves the text and the stop
+        strings to the HTTP process (chunks carry token ids; server/outputs.py)."""
         self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
-        self.on_turn, self.handle_of = on_turn, handle_of
+        self.on_turn, self.handle_of, self.detokenize = on_turn, handle_of, detokenize
         self.limits = limits or Limits()
         self._draining = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -177,7 +180,10 @@ class Scheduler:
             ids = encode(self.engine, job)
             self.limits.check_prompt(len(ids), job.prompt_param)
             params = sampling_params(self.engine, job, len(ids))
-            self.engine.add_request(ids, params, mode=job.mode, budget=job.budget, request_id=rid)
+            if not self.detokenize:  # the HTTP process finds them in the text it decodes
+                params = dataclasses.replace(params, stop=())
+            self.engine.add_request(ids, params, mode=job.mode, budget=job.budget, request_id=rid,
+                                    detokenize=self.detokenize)
         except APIError as err:
             return self._reject(handle, err)
         except KVCacheFull as err:
@@ -206,7 +212,8 @@ class Scheduler:
         if not live.started:
             self._unqueue()
         self._forget(rid)
-        log.info("request %s: aborted (client disconnected) after %d tokens", rid, live.produced)
+        log.info("request %s: aborted (client gone, or its text reached a stop string) after %d tokens", rid,
+                 live.produced)
 
     def _forget(self, rid: str) -> None:
         """Remove a request from the engine whatever its state; its slot and pages are free after."""
@@ -280,15 +287,19 @@ class Scheduler:
             live.started = True
             self._unqueue()
             self.metrics.time_to_first_token.observe(now - live.accepted_at)
+        else:
+            live.rounds += 1
         count = len(out.new_token_ids)
         live.produced += count
         self.metrics.generated_tokens.inc(count)
         job = live.job
         sampled = bool(job.sampling.get("temperature"))  # greedy (temperature 0) draws no noise: no seed
         usage = Usage(live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
+                      live.rounds, (live.produced - 1) / live.rounds if live.rounds else 0.0,
                       seed=job.sampling.get("seed") if sampled else None)
+        tokens = tuple(out.new_token_ids)
         if not out.finished:
-            live.handle.push(Chunk(out.new_text or "", count, usage))
+            live.handle.push(Chunk(out.new_text or "", count, usage, token_ids=tokens))
             return
         result = self.engine.take_result(rid)
         del self._live[rid]
@@ -300,7 +311,7 @@ class Scheduler:
         for size in stats.tree_sizes:
             self.metrics.tree_size.observe(size)
         self.metrics.request_seconds.observe(now - live.accepted_at)
-        live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason))
+        live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason, tokens))
 
     def _publish(self) -> None:
         blocks = self.engine.blocks

@@ -1,0 +1,145 @@
+"""The engine-core process's side (engine_core.py is the HTTP process's): it builds the Engine,
+runs the scheduler loop (scheduler.py) with handles and metrics that record into one batch per
+turn, and sends each turn's batch to the HTTP process without waiting for it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+
+import zmq
+
+from .errors import APIError
+from .jobs import Failed
+from .scheduler import QueueFull, Scheduler
+
+POLL_MS = 100  # how often a waiting side looks up from its socket (the other process may be gone)
+
+
+class _Outbox:
+    """The core's side: handles and metrics that record into one batch, sent once per turn."""
+
+    def __init__(self):
+        self.events, self.updates = [], []
+        self.lock = threading.Lock()
+
+    def handle(self, request_id: str) -> "_RemoteHandle":
+        return _RemoteHandle(request_id, self)
+
+    def add(self, kind: str, item) -> None:
+        with self.lock:
+            (self.events if kind == "event" else self.updates).append(item)
+
+    def take(self):
+        with self.lock:
+            events, updates, self.events, self.updates = self.events, self.updates, [], []
+        return events, updates
+
+
+class _RemoteHandle:
+    def __init__(self, request_id: str, outbox: _Outbox):
+        self.request_id, self.outbox = request_id, outbox
+
+    def push(self, event) -> None:
+        self.outbox.add("event", (self.request_id, event))
+
+
+class _RecordedMetric:
+    def __init__(self, name: str, outbox: _Outbox):
+        self.name, self.outbox = name, outbox
+
+    def inc(self, value: float = 1) -> None:
+        self.outbox.add("update", (self.name, "inc", value))
+
+    def observe(self, value: float) -> None:
+        self.outbox.add("update", (self.name, "observe", value))
+
+
+class _RecordedMetrics:
+    """What Scheduler updates on server.metrics.Metrics (any counter or histogram by its name),
+    recorded for the HTTP process's registry."""
+
+    def __init__(self, outbox: _Outbox):
+        self.outbox = outbox
+
+    def __getattr__(self, name: str) -> _RecordedMetric:
+        return _RecordedMetric(name, self.outbox)
+
+    def publish(self, snapshot: dict) -> None:  # the snapshot travels with each turn instead
+        pass
+
+
+def _ignore(_signum, _frame) -> None:
+    """The core's SIGINT / SIGTERM: the HTTP process decides when it ends. A handler, not SIG_IGN,
+    so that the processes it starts (tensor-parallel ranks) get the default handling back."""
+
+
+def _exit_with_parent(done: threading.Event) -> None:
+    """While the engine loads (the serving loop checks for itself after): end when the parent has."""
+    parent = multiprocessing.parent_process()
+    while parent is not None and not done.wait(0.5):
+        if not parent.is_alive():
+            os._exit(1)
+
+
+def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dict) -> None:
+    """The engine-core process: build the engine (`build()`), then serve the HTTP process's messages."""
+    signal.signal(signal.SIGINT, _ignore)
+    signal.signal(signal.SIGTERM, _ignore)
+    loaded = threading.Event()
+    threading.Thread(target=_exit_with_parent, args=(loaded,), name="ddtree-parent-watch", daemon=True).start()
+    context = zmq.Context()
+    inbox, outbox_socket = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    outbox_socket.setsockopt(zmq.SNDHWM, 0)  # queue without bound: a slow HTTP side never stalls a round
+    inbox.connect(to_core)
+    outbox_socket.connect(from_core)
+    try:
+        engine = build()
+        facts = facts_of(engine)
+        loaded.set()
+    except BaseException as err:  # the HTTP process raises it again as the server's one-line error
+        outbox_socket.send_pyobj(("failed", type(err).__name__, str(err)))
+        outbox_socket.close(linger=2000)
+        raise SystemExit(1)
+    outbox = _Outbox()
+    last = {}
+
+    def flush(snapshot: dict) -> None:  # the scheduler thread, after every turn
+        events, updates = outbox.take()
+        if events or updates or snapshot != last:
+            last.clear()
+            last.update(snapshot)
+            outbox_socket.send_pyobj(("turn", events, updates, snapshot))  # never blocks: the queue has no bound
+
+    scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle, **scheduler_args)
+    outbox_socket.send_pyobj(("ready", facts, scheduler.snapshot, engine.tokenizer))  # the HTTP process decodes
+    scheduler.start()
+    parent = multiprocessing.parent_process()
+    try:
+        while scheduler.alive:
+            if not inbox.poll(POLL_MS):
+                if parent is not None and not parent.is_alive():  # the server is gone: so is its core
+                    break
+                continue
+            message = inbox.recv_pyobj()
+            if message[0] == "stop":
+                break
+            if message[0] == "submit":
+                try:
+                    scheduler.submit(message[1])
+                except (QueueFull, RuntimeError) as err:  # the HTTP side refuses these first: a race at most
+                    outbox.handle(message[1].request_id).push(Failed(APIError(503, str(err), code="shutting_down")))
+            elif message[0] == "abort":
+                scheduler.abort(message[1])
+            elif message[0] == "fail_all":
+                scheduler.end_drain()
+    finally:
+        scheduler.stop()
+        if hasattr(engine, "close"):  # a tensor-parallel engine's ranks
+            engine.close()
+        outbox_socket.close(linger=2000)
+        inbox.close(linger=0)
+        context.term()

@@ -91,6 +91,14 @@ def test_the_core_serves_what_a_request_served_alone_gets(pairs, reference):
         assert cut["usage"]["completion_tokens"] == len(alone.token_ids) < len(whole.token_ids)
         health = live.wait_idle()  # the core aborted it: nothing runs, every page is free
         assert (health["running"], health["live"], health["pages_free"]) == (0, 0, health["pages_total"])
+        # Chat messages are rendered and encoded in this process too; the core gets token ids
+        messages = [{"role": "user", "content": "abc"}]
+        chat = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 8,
+                                                                  "temperature": 0, "ddtree": {"budget": 8}},
+                          timeout=120).json()
+        alone = served_alone(reference, messages, 8)
+        assert chat["choices"][0]["message"]["content"] == alone.text
+        assert chat["usage"]["completion_tokens"] == len(alone.token_ids)
         pid = core.pid
     assert _gone(pid, 10), "the core outlived its server"
 

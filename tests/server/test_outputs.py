@@ -59,3 +59,18 @@ def test_an_engine_that_does_not_decode_leaves_text_and_stop_strings_to_its_call
     out = reference.take_result(rid)
     assert set(texts) == {None} and out.text is None
     assert out.token_ids == served_alone(reference, "def fib(n):", 6, mode="ar").token_ids
+
+
+def test_text_the_http_process_cannot_encode_is_a_400_before_the_core_sees_it():
+    """An engine-core server encodes prompts in the HTTP process: without a tokenizer a text prompt
+    is refused there, naming the field, and nothing is sent to the core."""
+    from ddtree.server.engine_core import EngineCore
+    from ddtree.server.errors import APIError
+    from ddtree.server.jobs import Job
+
+    core = EngineCore(build=None, facts_of=None)  # never launched: its tokenizer is None
+    for job, param in ((Job("r", "some text", None, 4, {}, "ar", 1), "prompt"),
+                       (Job("r", None, [{"role": "user", "content": "hi"}], 4, {}, "ar", 1), "messages")):
+        with pytest.raises(APIError) as err:
+            core.submit(job, loop=None)
+        assert (err.value.status, err.value.param) == (400, param)

@@ -17,6 +17,7 @@ every waiting request with a 503 and `died` says why.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import shutil
@@ -30,6 +31,7 @@ from .core_process import POLL_MS, core_main
 from .errors import APIError
 from .jobs import Chunk, Failed, Handle
 from .outputs import TextOutputs
+from .prompts import encode_text
 from .scheduler import QueueFull
 
 log = logging.getLogger("ddtree.server")
@@ -149,9 +151,14 @@ class EngineCore:
         self._send(("fail_all",))
 
     def submit(self, job, loop) -> Handle:
-        """As Scheduler.submit: raises QueueFull, or RuntimeError when shutting down or the core is gone."""
+        """As Scheduler.submit: raises QueueFull, or RuntimeError when shutting down or the core is
+        gone; an APIError (400) for text its tokenizer cannot encode. Text and chat messages are
+        encoded here (the core checks the ids), under the lock the decoding of outputs holds."""
         handle = Handle(job.request_id, loop)
         with self._lock:
+            if job.messages is not None or isinstance(job.prompt, str):
+                ids = encode_text(self._outputs.tokenizer, job)
+                job = dataclasses.replace(job, prompt=ids, messages=None, encoded_from=job.prompt_param)
             if self.died is not None:
                 raise RuntimeError(f"the engine is not running ({self.died})")
             if self._stopping.is_set() or self._draining.is_set():

@@ -64,6 +64,9 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
     except RuntimeError as err:
         metrics.requests.labels(endpoint, "503").inc()
         return APIError(503, str(err), code="shutting_down").response()
+    except APIError as err:  # an engine-core server encodes the prompt here: text it cannot encode
+        metrics.requests.labels(endpoint, str(err.status)).inc()
+        return err.response()
     shape = ResponseShape(kind, job.request_id, state.config.model_name)
     watcher = asyncio.ensure_future(_disconnected(request))
     status, texts = 500, []

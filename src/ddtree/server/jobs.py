@@ -18,7 +18,8 @@ class Job:
     """One request for the engine. prompt: text or token ids (completions) or None; messages:
     role / content dicts for the chat template (chat) or None; max_tokens: None = the rest of the
     context; sampling: temperature, top_p, top_k, seed, stop, ignore_eos; limit_param: the field
-    that set max_tokens, named in errors."""
+    that set max_tokens, named in errors; encoded_from: the field ("prompt" or "messages") whose
+    text the HTTP process already encoded into `prompt`'s ids (an engine-core process), or None."""
 
     request_id: str
     prompt: str | list[int] | None
@@ -28,10 +29,11 @@ class Job:
     mode: str
     budget: int | str
     limit_param: str = "max_tokens"
+    encoded_from: str | None = None
 
     @property
     def prompt_param(self) -> str:
-        return "messages" if self.messages is not None else "prompt"
+        return self.encoded_from or ("messages" if self.messages is not None else "prompt")
 
 
 @dataclass

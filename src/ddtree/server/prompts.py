@@ -1,6 +1,7 @@
 """A job's prompt as token ids and its sampling parameters, checked against the context and the
-cache. Runs on the scheduler thread: the tokenizer is used from that one thread only (a fast
-tokenizer shared across threads can fail with "Already borrowed")."""
+cache. A tokenizer is used from one thread at a time (a fast tokenizer shared across threads can
+fail with "Already borrowed"): the scheduler thread's in one process; with an engine-core process
+the HTTP process encodes text under EngineCore's lock, and the core checks the ids."""
 
 from __future__ import annotations
 
@@ -15,23 +16,35 @@ def has_chat_template(tokenizer) -> bool:
 
 
 def encode(engine, job: Job) -> list[int]:
-    """The prompt's token ids. Raises APIError (400) naming `prompt` or `messages`."""
+    """The prompt's token ids (text and messages by the engine's tokenizer, ids checked against
+    its vocabulary). Raises APIError (400) naming `prompt` or `messages`."""
     if job.messages is not None:
-        try:
-            text = engine.tokenizer.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True)
-        except Exception as err:  # jinja's TemplateError and whatever a template raises on bad input
-            raise APIError(400, f"the chat template refused the messages: {err}", param="messages",
-                           code="invalid_value") from None
-        # The template writes the special tokens itself (BOS included): do not add them twice.
-        ids = list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = encode_text(engine.tokenizer, job)
     else:
         try:
             ids = engine.tokenize(job.prompt)
         except ValueError as err:  # token ids out of the vocabulary, or text without a tokenizer
-            raise APIError(400, str(err), param="prompt", code="invalid_value") from None
+            raise APIError(400, str(err), param=job.prompt_param, code="invalid_value") from None
     if not ids:
         raise APIError(400, "the prompt encodes to no tokens", param=job.prompt_param, code="invalid_value")
     return ids
+
+
+def encode_text(tokenizer, job: Job) -> list[int]:
+    """A job's chat messages or text prompt as token ids, by `tokenizer`, as Engine.tokenize
+    encodes text. Raises APIError (400) naming `prompt` or `messages`."""
+    if job.messages is None:
+        if tokenizer is None:
+            raise APIError(400, "the target directory has no tokenizer: pass prompts as lists of token ids",
+                           param="prompt", code="invalid_value")
+        return list(tokenizer(job.prompt)["input_ids"])
+    try:
+        text = tokenizer.apply_chat_template(job.messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # jinja's TemplateError and whatever a template raises on bad input
+        raise APIError(400, f"the chat template refused the messages: {err}", param="messages",
+                       code="invalid_value") from None
+    # The template writes the special tokens itself (BOS included): do not add them twice.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def sampling_params(engine, job: Job, prompt_len: int) -> SamplingParams:

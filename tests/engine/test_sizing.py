@@ -10,7 +10,7 @@ from ddtree.engine.acceptance import AcceptanceLedger
 from ddtree.engine.costs import RoundCosts
 from ddtree.engine.batch import PENDING_ROWS
 from ddtree.engine.round import result_width
-from ddtree.engine.sizing import PLAIN_BURST, TreeSizer, best_size
+from ddtree.engine.sizing import HOLD_ROUNDS, PLAIN_BURST, TreeSizer, best_size
 from ddtree.tree import accept_paths, build_trees
 
 from ..tree.helpers import first_nodes, make_draft
@@ -272,11 +272,12 @@ def test_a_closed_batch_takes_the_size_whose_slowest_request_ends_first():
     and it ends sooner with plain steps; an open batch (a server) still takes the trees' rate."""
     sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.2, 2: 2.25, 4: 2.3, 8: 2.8, 16: 4.0})), [1, 2, 3])
     fast, slow = FakeRequest(100), FakeRequest(100)
-    assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 4
+    assert [sizer.choose(1, [fast, slow], 0.0, 0, closed=True) for _ in range(HOLD_ROUNDS)] == [4] * HOLD_ROUNDS
     fast.accepted_nodes, fast.expected_nodes = 90.0, 90.0
     slow.accepted_nodes, slow.expected_nodes = 2.0, 90.0  # its tokens at 4: 1 + 3 (2 + prior) / (90 + prior)
-    assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 0
+    assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 0  # the next full choice, after the hold
     assert sizer.choose(1, [fast, slow], 0.0, 0) == 4
+    sizer.state.held = None
     slow.remaining = 20  # the lagging request is nearly done: the other's end counts
     assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 4
 
@@ -303,7 +304,7 @@ def test_a_plain_run_holds_until_its_probe_unless_its_batch_or_a_cost_changes():
     sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.1, 4: 2.3, 8: 2.8, 16: 4.0}), first_wait=64,
                              max_wait=64), [])
     request = FakeRequest()
-    assert sizer.choose(1, [request], 0.0, 0) == 0 and sizer.state.held == (1, 0, False, 1)
+    assert sizer.choose(1, [request], 0.0, 0) == 0 and sizer.state.held[:2] == ((1, 0, False, 1, False), 0)
     sizer.state.ledger.observe(np.array([path([1, 2, 3, 4, 5, 6, 7])[0]] * 8), np.array([8] * 8), 16)
     assert sizer.choose(1, [request], 0.0, 0) == 0  # held: what trees would commit now is not looked at
     assert sizer.choose(1, [request, FakeRequest()], 0.0, 0) > 0  # another request: chosen again
@@ -316,3 +317,16 @@ def test_a_plain_run_holds_until_its_probe_unless_its_batch_or_a_cost_changes():
     for _ in range(2):
         plain.observe_step(1, 0, 2.0)
     assert plain.state.held is None and plain.choose(1, [request], 0.0, 0) > 0
+
+
+def test_a_tree_size_holds_a_few_rounds_and_a_request_near_its_end_ends_the_hold():
+    """A tree size chosen in full holds HOLD_ROUNDS rounds while the batch stays as it was (its
+    exploration on its clock); a request about to end makes the next round choose again."""
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 1.5, 2: 1.6, 4: 1.7, 8: 2.0, 16: 3.0})), [1, 2])
+    request = FakeRequest()
+    assert sizer.choose(1, [request], 0.0, 0) == 2 and sizer.state.held[3] == HOLD_ROUNDS - 1
+    feed(sizer.state.ledger, [1, 2, 3, 4, 5, 6, 7], 16, rounds=40)  # trees of 8 would now pay more
+    assert [sizer.choose(1, [request], 0.0, 0) for _ in range(HOLD_ROUNDS - 1)] == [2] * (HOLD_ROUNDS - 1)
+    assert sizer.choose(1, [request], 0.0, 0) == 8  # chosen again in full
+    request.remaining = 1
+    assert sizer.choose(1, [request], 0.0, 0) == 0  # one token left: a tree adds nothing, held or not

@@ -46,6 +46,7 @@ from .round import result_width
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
+HOLD_ROUNDS = 4  # a tree size chosen holds this many rounds while its batch stays as it was
 PRIOR_NODES = 24.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 24 nodes
 
 
@@ -79,8 +80,9 @@ class SizerState:
     ledger: tokens per size; correction: real step costs over the table's; rounds: tree rounds
     chosen (the exploration clock); plain_steps: plain steps since the last tree; wait: plain steps
     before the next probe; burst: (size, steps still to run) of an exploration under way;
-    plain_tried: bucket -> `rounds` at its last plain burst; held: (bucket, floor, closed, auto
-    requests) of the batch a plain run was chosen for (held without re-choosing until its probe)."""
+    plain_tried: bucket -> `rounds` at its last plain burst; held: the last choice made in full,
+    (batch key, size, the next larger size, tree rounds it still holds, (plain rate, its rate)),
+    held without choosing again while the batch key stays (TreeSizer.choose)."""
 
     ledger: AcceptanceLedger
     wait: float
@@ -170,12 +172,19 @@ class TreeSizer:
             self.set_aside = self.forced_set_aside
             return max(self.forced, floor)
         state = self.state
-        if state.held == (bucket, floor, closed, len(auto)) and state.plain_steps + 1 < state.wait:
-            # A plain run holds until its probe while its batch stays as it was: nothing it was
-            # chosen on has changed but the requests' remaining tokens, and fewer favour it more.
-            state.plain_steps += 1
-            self.set_aside = state.wait - state.plain_steps < PENDING_ROWS
-            return 0
+        key = (bucket, floor, closed, len(auto), min((r.remaining_tokens() for r in auto), default=0) <= self.max_depth + 1)
+        held = state.held
+        if held is not None and held[0] == key and state.burst is None:
+            # A choice holds while its batch stays as it was (bucket, requests, switches, none
+            # about to end): a plain run until its probe (fewer tokens left favour it more), a tree
+            # for HOLD_ROUNDS rounds, its exploration and plain bursts kept on their clocks.
+            if held[1] == 0 and state.plain_steps + 1 < state.wait:
+                state.plain_steps += 1
+                self.set_aside = state.wait - state.plain_steps < PENDING_ROWS
+                return 0
+            if held[1] > 0 and held[3] > 0:
+                state.held = (*held[:3], held[3] - 1, held[4])
+                return self._take_tree(bucket, held[1], held[2], held[4])
         state.held = None
         candidates, table = self._row(bucket, floor)
         if table is None or len(candidates) == 1:
@@ -201,16 +210,25 @@ class TreeSizer:
         if size == 0:
             size = self._plain_or_probe(bucket, known, seconds, tokens, caps)
             if size == 0:
-                state.held = (bucket, floor, closed, len(auto))
+                state.held = (key, 0, None, 0, None)
             return size
         state.plain_steps, state.wait = 0, self.first_wait
+        larger = next((s for s in candidates if s > size), None)
+        rates = (tokens[0] / seconds[0], tokens[known.index(size)] / seconds[known.index(size)]) if 0 in known else None
+        state.held = (key, size, larger, HOLD_ROUNDS - 1, rates)
+        return self._take_tree(bucket, size, larger, rates)
+
+    def _take_tree(self, bucket: int, size: int, larger: int | None, rates: tuple[float, float] | None) -> int:
+        """A tree round of `size` chosen (or held): every explore_every-th tree round takes the next
+        larger size instead, and a plain burst runs when due (rates: plain and this size's, per s)."""
+        state = self.state
         state.rounds += 1
-        larger = [s for s in candidates if s > size]
-        if larger and state.rounds % self.explore_every == 0:
-            return larger[0]
-        if 0 in known and self._plain_due(bucket, tokens[0] / seconds[0], tokens[known.index(size)] / seconds[known.index(size)]):
+        if larger is not None and state.rounds % self.explore_every == 0:
+            return larger
+        if rates is not None and self._plain_due(bucket, *rates):
             state.plain_tried[bucket] = state.rounds
             state.burst = (0, PLAIN_BURST - 1)
+            state.held = None
             return 0
         return size
 

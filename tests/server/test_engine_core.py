@@ -198,3 +198,46 @@ def test_a_signal_while_the_core_loads_leaves_no_core(pairs, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+class _Unpicklable:
+    """A tokenizer that does not pickle (as a remote-code class the HTTP process may not import)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle this tokenizer")
+
+
+def _with_unpicklable_tokenizer(target, drafter):
+    engine = Engine.from_pretrained(target, drafter, max_batch=4, **ENGINE_ARGS)
+    engine.tokenizer = _Unpicklable(engine.tokenizer)
+    return engine
+
+
+def test_a_tokenizer_that_does_not_pickle_leaves_the_text_in_the_core(pairs, reference):
+    """The core then decodes, cuts stop strings and encodes prompts itself, as in one process."""
+    from ddtree.server.core_process import tokenizer_to_send
+
+    assert tokenizer_to_send(_Unpicklable(reference.tokenizer)) == (None, True)
+    assert tokenizer_to_send(None) == (None, False)
+    build = functools.partial(_with_unpicklable_tokenizer, str(pairs["target_chat"]), str(pairs["drafter"]))
+    core = EngineCore(build, engine_facts, max_queue=8)
+    core.launch()
+    config = ServerConfig(model_name="tiny", default_mode="ddtree", default_budget=8)
+    with LiveServer(create_app(core, config)) as live:
+        whole = served_alone(reference, "cabbage", 30, mode="ar")
+        stop = whole.text[4:6]
+        alone = served_alone(reference, "cabbage", 30, mode="ar", stop=[stop])
+        body = {"prompt": "cabbage", "max_tokens": 30, "temperature": 0, "stop": stop, "ddtree": {"mode": "ar"}}
+        cut = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120).json()
+        assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == (alone.text, "stop")
+        assert cut["usage"]["completion_tokens"] == len(alone.token_ids)
+        live.wait_idle()

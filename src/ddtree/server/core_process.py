@@ -5,8 +5,10 @@ turn, and sends each turn's batch to the HTTP process without waiting for it.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 
@@ -16,6 +18,7 @@ from .errors import APIError
 from .jobs import Failed
 from .scheduler import QueueFull, Scheduler
 
+log = logging.getLogger("ddtree.server")
 POLL_MS = 100  # how often a waiting side looks up from its socket (the other process may be gone)
 
 
@@ -85,6 +88,21 @@ def _exit_with_parent(done: threading.Event) -> None:
             os._exit(1)
 
 
+def tokenizer_to_send(tokenizer) -> tuple[object, bool]:
+    """(the tokenizer for the HTTP process, whether this process keeps the text instead): the HTTP
+    process encodes and decodes with a copy of the engine's tokenizer; one that does not pickle (a
+    remote-code class the other process may not import) leaves the text here, as in one process."""
+    if tokenizer is None:
+        return None, False
+    try:
+        pickle.loads(pickle.dumps(tokenizer))
+    except Exception as err:
+        log.warning("the tokenizer cannot be sent to the HTTP process (%s: %s): the engine process keeps "
+                    "the text (decoding, stop strings, prompt encoding)", type(err).__name__, err)
+        return None, True
+    return tokenizer, False
+
+
 def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dict) -> None:
     """The engine-core process: build the engine (`build()`), then serve the HTTP process's messages."""
     signal.signal(signal.SIGINT, _ignore)
@@ -114,8 +132,10 @@ def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dic
             last.update(snapshot)
             outbox_socket.send_pyobj(("turn", events, updates, snapshot))  # never blocks: the queue has no bound
 
-    scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle, **scheduler_args)
-    outbox_socket.send_pyobj(("ready", facts, scheduler.snapshot, engine.tokenizer))  # the HTTP process decodes
+    tokenizer, decodes_here = tokenizer_to_send(engine.tokenizer)
+    scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle,
+                          **{**scheduler_args, "detokenize": decodes_here})
+    outbox_socket.send_pyobj(("ready", facts, scheduler.snapshot, tokenizer, decodes_here))
     scheduler.start()
     parent = multiprocessing.parent_process()
     try:

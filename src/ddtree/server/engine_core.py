@@ -5,7 +5,7 @@ metrics, so neither waits for the other's interpreter. This module is the HTTP p
 
 Transport: two ZeroMQ PUSH / PULL sockets (pyzmq) on ipc:// paths, one pickled Python object per
 message. To the core: ("submit", job), ("abort", id), ("fail_all",), ("stop",). From the core:
-("ready", facts, snapshot, tokenizer) once the engine is loaded, or ("failed", type, line); then per scheduler turn at most one
+("ready", facts, snapshot, tokenizer, core decodes) once the engine is loaded, or ("failed", type, line); then per scheduler turn at most one
 ("turn", events, metric updates, snapshot), events being (request id, Accepted | Chunk | Failed).
 The core's sends are queued by ZeroMQ: it never waits for the HTTP side or a client.
 
@@ -58,6 +58,7 @@ class EngineCore:
         self._receiver: threading.Thread | None = None
         self._process = None
         self._outputs = TextOutputs(None)  # the requests' text, with the core's tokenizer once launched
+        self._core_decodes = False
 
     # -- start and stop -------------------------------------------------------------------------------
 
@@ -98,6 +99,7 @@ class EngineCore:
             raise (UsageError if message[1] == "UsageError" else RuntimeError)(message[2])
         self.facts, self.snapshot = message[1], {**message[2], "queued": 0}
         self._outputs = TextOutputs(message[3])
+        self._core_decodes = message[4]  # its tokenizer did not pickle: the core keeps the text
         return self.facts
 
     def start(self) -> None:
@@ -156,7 +158,7 @@ class EngineCore:
         encoded here (the core checks the ids), under the lock the decoding of outputs holds."""
         handle = Handle(job.request_id, loop)
         with self._lock:
-            if job.messages is not None or isinstance(job.prompt, str):
+            if not self._core_decodes and (job.messages is not None or isinstance(job.prompt, str)):
                 ids = encode_text(self._outputs.tokenizer, job)
                 job = dataclasses.replace(job, prompt=ids, messages=None, encoded_from=job.prompt_param)
             if self.died is not None:

@@ -18,7 +18,7 @@ from .jobs import Chunk
 
 @dataclass
 class _Output:
-    text: TextStream | None  # None without a tokenizer: token ids only, no text, no stop strings
+    text: TextStream | None  # None without a tokenizer: the core's text (if it decodes), its stop strings
     produced: int = 0
 
 
@@ -52,7 +52,7 @@ class TextOutputs:
                 break
         output.produced += len(kept)
         final = stopped or chunk.finish_reason is not None
-        text = output.text.delta(final=final) if output.text is not None else ""
+        text = output.text.delta(final=final) if output.text is not None else chunk.text
         if final:
             self.close(request_id)
         usage = dataclasses.replace(chunk.usage, completion_tokens=output.produced)

@@ -58,6 +58,16 @@ def _complete(url: str, prompt: str, budget) -> dict:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
 
 
+def _assert_a_stop_string_ends_it_as_served_alone(url: str, reference) -> None:
+    whole = served_alone(reference, "cabbage", 30, mode="ar")
+    stop = whole.text[4:6]  # reached by the greedy continuation
+    alone = served_alone(reference, "cabbage", 30, mode="ar", stop=[stop])
+    body = {"prompt": "cabbage", "max_tokens": 30, "temperature": 0, "stop": stop, "ddtree": {"mode": "ar"}}
+    cut = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == (alone.text, "stop")
+    assert cut["usage"]["completion_tokens"] == len(alone.token_ids) < len(whole.token_ids)
+
+
 def test_the_core_serves_what_a_request_served_alone_gets(pairs, reference):
     core = _core(pairs)
     facts = core.launch()
@@ -81,14 +91,7 @@ def test_the_core_serves_what_a_request_served_alone_gets(pairs, reference):
         metrics = httpx.get(f"{live.url}/metrics", timeout=5).text
         total = sum(body["usage"]["completion_tokens"] for body in got)  # the core's counts reach this registry
         assert f"ddtree_generated_tokens_total {float(total)}" in metrics
-        # The core sends token ids; this process decodes them and ends a request at its stop string
-        whole = served_alone(reference, "cabbage", 30, mode="ar")
-        stop = whole.text[4:6]
-        alone = served_alone(reference, "cabbage", 30, mode="ar", stop=[stop])
-        body = {"prompt": "cabbage", "max_tokens": 30, "temperature": 0, "stop": stop, "ddtree": {"mode": "ar"}}
-        cut = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120).json()
-        assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == (alone.text, "stop")
-        assert cut["usage"]["completion_tokens"] == len(alone.token_ids) < len(whole.token_ids)
+        _assert_a_stop_string_ends_it_as_served_alone(live.url, reference)  # decoded and cut in this process
         health = live.wait_idle()  # the core aborted it: nothing runs, every page is free
         assert (health["running"], health["live"], health["pages_free"]) == (0, 0, health["pages_total"])
         # Chat messages are rendered and encoded in this process too; the core gets token ids
@@ -233,11 +236,5 @@ def test_a_tokenizer_that_does_not_pickle_leaves_the_text_in_the_core(pairs, ref
     core.launch()
     config = ServerConfig(model_name="tiny", default_mode="ddtree", default_budget=8)
     with LiveServer(create_app(core, config)) as live:
-        whole = served_alone(reference, "cabbage", 30, mode="ar")
-        stop = whole.text[4:6]
-        alone = served_alone(reference, "cabbage", 30, mode="ar", stop=[stop])
-        body = {"prompt": "cabbage", "max_tokens": 30, "temperature": 0, "stop": stop, "ddtree": {"mode": "ar"}}
-        cut = httpx.post(f"{live.url}/v1/completions", json=body, timeout=120).json()
-        assert (cut["choices"][0]["text"], cut["choices"][0]["finish_reason"]) == (alone.text, "stop")
-        assert cut["usage"]["completion_tokens"] == len(alone.token_ids)
+        _assert_a_stop_string_ends_it_as_served_alone(live.url, reference)  # decoded and cut in the core
         live.wait_idle()

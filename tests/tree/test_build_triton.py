@@ -69,10 +69,11 @@ def test_wide_k_uses_first_budget_ranks(kernel_device):
     _check(lp[:, :, :20], tok[:, :, :20], 20, kernel_device, "strided")
 
 
-def test_large_budget_single_request(kernel_device):
+@pytest.mark.parametrize("budget", [gpu_or_scaled((512,), (128,), "large-budget")])
+def test_large_budget_single_request(budget, kernel_device):
     gen = torch.Generator().manual_seed(5)
-    lp, tok = make_draft("bf16", 1, 31, 600, 512, gen)
-    _check(lp, tok, 512, kernel_device, "budget 512, D 31")
+    lp, tok = make_draft("bf16", 1, 31, 600, budget, gen)
+    _check(lp, tok, budget, kernel_device, f"budget {budget}, D 31")
 
 
 def test_large_batch_small_trees(kernel_device):

@@ -304,7 +304,7 @@ def test_a_plain_run_holds_until_its_probe_unless_its_batch_or_a_cost_changes():
     sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.0, 2: 2.1, 4: 2.3, 8: 2.8, 16: 4.0}), first_wait=64,
                              max_wait=64), [])
     request = FakeRequest()
-    assert sizer.choose(1, [request], 0.0, 0) == 0 and sizer.state.held[:2] == ((1, 0, False, 1, False), 0)
+    assert sizer.choose(1, [request], 0.0, 0) == 0 and (sizer.state.held.key, sizer.state.held.size) == ((1, 0, False, 1, False), 0)
     sizer.state.ledger.observe(np.array([path([1, 2, 3, 4, 5, 6, 7])[0]] * 8), np.array([8] * 8), 16)
     assert sizer.choose(1, [request], 0.0, 0) == 0  # held: what trees would commit now is not looked at
     assert sizer.choose(1, [request, FakeRequest()], 0.0, 0) > 0  # another request: chosen again
@@ -324,7 +324,7 @@ def test_a_tree_size_holds_a_few_rounds_and_a_request_near_its_end_ends_the_hold
     exploration on its clock); a request about to end makes the next round choose again."""
     sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 1.5, 2: 1.6, 4: 1.7, 8: 2.0, 16: 3.0})), [1, 2])
     request = FakeRequest()
-    assert sizer.choose(1, [request], 0.0, 0) == 2 and sizer.state.held[3] == HOLD_ROUNDS - 1
+    assert sizer.choose(1, [request], 0.0, 0) == 2 and sizer.state.held.rounds_left == HOLD_ROUNDS - 1
     feed(sizer.state.ledger, [1, 2, 3, 4, 5, 6, 7], 16, rounds=40)  # trees of 8 would now pay more
     assert [sizer.choose(1, [request], 0.0, 0) for _ in range(HOLD_ROUNDS - 1)] == [2] * (HOLD_ROUNDS - 1)
     assert sizer.choose(1, [request], 0.0, 0) == 8  # chosen again in full

@@ -34,7 +34,7 @@ The choice is host arithmetic on values already read back: no new synchronizatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ from .acceptance import AcceptanceLedger
 from .batch import PENDING_ROWS
 from .costs import RoundCosts, StepCorrection, check_signature
 from .round import result_width
+from .sizer_state import HeldChoice, SizerState
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
@@ -71,27 +72,6 @@ def tree_sizer(tree_sizes: tuple[int, ...], max_budget: int, max_depth: int, rou
     elif round_costs is not None:
         check_signature(round_costs.signature, signature, "round_costs")
     return TreeSizer(sizes, max_depth, round_costs)
-
-
-@dataclass
-class SizerState:
-    """What a TreeSizer has learned, as one object (a benchmark keeps one per configuration).
-
-    ledger: tokens per size; correction: real step costs over the table's; rounds: tree rounds
-    chosen (the exploration clock); plain_steps: plain steps since the last tree; wait: plain steps
-    before the next probe; burst: (size, steps still to run) of an exploration under way;
-    plain_tried: bucket -> `rounds` at its last plain burst; held: the last choice made in full,
-    (batch key, size, the next larger size, tree rounds it still holds, (plain rate, its rate)),
-    held without choosing again while the batch key stays (TreeSizer.choose)."""
-
-    ledger: AcceptanceLedger
-    wait: float
-    correction: StepCorrection = field(default_factory=StepCorrection)
-    rounds: int = 0
-    plain_steps: int = 0
-    burst: tuple[int, int] | None = None
-    plain_tried: dict[int, int] = field(default_factory=dict)
-    held: tuple | None = None
 
 
 class TreeSizer:
@@ -174,17 +154,17 @@ class TreeSizer:
         state = self.state
         key = (bucket, floor, closed, len(auto), min((r.remaining_tokens() for r in auto), default=0) <= self.max_depth + 1)
         held = state.held
-        if held is not None and held[0] == key and state.burst is None:
+        if held is not None and held.key == key and state.burst is None:
             # A choice holds while its batch stays as it was (bucket, requests, switches, none
             # about to end): a plain run until its probe (fewer tokens left favour it more), a tree
             # for HOLD_ROUNDS rounds, its exploration and plain bursts kept on their clocks.
-            if held[1] == 0 and state.plain_steps + 1 < state.wait:
+            if held.size == 0 and state.plain_steps + 1 < state.wait:
                 state.plain_steps += 1
                 self.set_aside = state.wait - state.plain_steps < PENDING_ROWS
                 return 0
-            if held[1] > 0 and held[3] > 0:
-                state.held = (*held[:3], held[3] - 1, held[4])
-                return self._take_tree(bucket, held[1], held[2], held[4])
+            if held.size > 0 and held.rounds_left > 0:
+                state.held = dataclasses.replace(held, rounds_left=held.rounds_left - 1)
+                return self._take_tree(bucket, held.size, held.larger, held.rates)
         state.held = None
         candidates, table = self._row(bucket, floor)
         if table is None or len(candidates) == 1:
@@ -210,12 +190,12 @@ class TreeSizer:
         if size == 0:
             size = self._plain_or_probe(bucket, known, seconds, tokens, caps)
             if size == 0:
-                state.held = (key, 0, None, 0, None)
+                state.held = HeldChoice(key, 0)
             return size
         state.plain_steps, state.wait = 0, self.first_wait
         larger = next((s for s in candidates if s > size), None)
         rates = (tokens[0] / seconds[0], tokens[known.index(size)] / seconds[known.index(size)]) if 0 in known else None
-        state.held = (key, size, larger, HOLD_ROUNDS - 1, rates)
+        state.held = HeldChoice(key, size, larger, HOLD_ROUNDS - 1, rates)
         return self._take_tree(bucket, size, larger, rates)
 
     def _take_tree(self, bucket: int, size: int, larger: int | None, rates: tuple[float, float] | None) -> int:
@@ -273,7 +253,7 @@ class TreeSizer:
             before = correction.ratio(bucket, size)
             correction.observe(bucket, size, seconds, float(table[candidates.index(size)]))
             if abs(correction.ratio(bucket, size) - before) > 0.02 * before:
-                self.state.held = None  # a cost a plain run was chosen on moved: choose again
+                self.state.held = None  # a cost the held choice was made on moved: choose again
 
     def learn(self, requests: list, slots: list[int], result: np.ndarray, plan, moe_layers: int) -> None:
         """Read a tree round's result (int64 [bucket, round.result_width]) for its "auto" requests

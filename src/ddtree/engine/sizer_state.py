@@ -1,0 +1,41 @@
+"""What a TreeSizer (engine/sizing.py) has learned and holds between rounds, as plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .acceptance import AcceptanceLedger
+from .costs import StepCorrection
+
+
+@dataclass(frozen=True)
+class HeldChoice:
+    """A size chosen in full, for the batch `key` (bucket, floor, closed, auto requests, one about
+    to end): 0 holds until the plain run's probe; a tree holds `rounds_left` more rounds, with the
+    next larger size it explores and (plain rate, its rate) for the plain-burst check."""
+
+    key: tuple
+    size: int
+    larger: int | None = None
+    rounds_left: int = 0
+    rates: tuple[float, float] | None = None
+
+
+@dataclass
+class SizerState:
+    """What a TreeSizer has learned, as one object (a benchmark keeps one per configuration).
+
+    ledger: tokens per size; correction: real step costs over the table's; rounds: tree rounds
+    chosen (the exploration clock); plain_steps: plain steps since the last tree; wait: plain steps
+    before the next probe; burst: (size, steps still to run) of an exploration under way;
+    plain_tried: bucket -> `rounds` at its last plain burst; held: the last choice made in full,
+    kept without choosing again while its batch stays as it was (TreeSizer.choose)."""
+
+    ledger: AcceptanceLedger
+    wait: float
+    correction: StepCorrection = field(default_factory=StepCorrection)
+    rounds: int = 0
+    plain_steps: int = 0
+    burst: tuple[int, int] | None = None
+    plain_tried: dict[int, int] = field(default_factory=dict)
+    held: HeldChoice | None = None

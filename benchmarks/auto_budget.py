@@ -36,6 +36,7 @@ import gc
 import json
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -178,15 +179,19 @@ def run_batch(engine: Engine, work: Workload, batch: int, budgets: list[int], wr
               for label, _, budget in plan if budget == "auto"}
     graphs = engine.graphs
     eager = dict.fromkeys((label for label, _, _ in plan), 0)
+    eager_plans = {label: Counter() for label, _, _ in plan}  # describe(plan) of each timed eager round
     passes: dict[str, list] = {label: [] for label, _, _ in plan}
 
     def one_pass(label: str, mode: str, budget, timed: bool) -> None:
         with states.get(label) or nullcontext():
             before = graphs.eager_rounds if graphs is not None else 0
+            plans_before = Counter(graphs.eager_plans) if graphs is not None else Counter()
             result = work.run(mode, budget, new=None if timed else work.warmup_new)
         if timed:
             passes[label].append(result)
             eager[label] += (graphs.eager_rounds if graphs is not None else 0) - before
+            if graphs is not None:
+                eager_plans[label] += graphs.eager_plans - plans_before
 
     for label, mode, budget in plan:
         one_pass(label, mode, budget, timed=False)
@@ -198,6 +203,8 @@ def run_batch(engine: Engine, work: Workload, batch: int, budgets: list[int], wr
             for label, mode, budget in plan]
     for row in rows:
         row.update(batch=batch, prefill_seconds=prefill_s)
+        if eager_plans[row["config"]]:
+            row["eager_plans"] = dict(eager_plans[row["config"]])
     rows[0]["round_costs_ms"] = {str(b): {str(s): t * 1e3 for s, t in r.items()} for b, r in costs.seconds.items()}
     return rows
 

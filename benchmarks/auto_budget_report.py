@@ -63,6 +63,12 @@ def table(payload: dict) -> str:
               "-" if r["eager_rounds"] is None else r["eager_rounds"]] for r in rows]))
         auto = next(r for r in rows if r["config"] == AUTO)
         parts.append(f"auto's tree sizes (size: rounds): {auto['size_histogram']}")
+        if auto.get("cost_ratios"):
+            parts.append(f"auto's learned step costs over the table (bucket:size: [ratio, steps]): {auto['cost_ratios']}")
+        eager = {r["config"]: r["eager_plans"] for r in rows if r.get("eager_plans")}
+        if eager:
+            parts.append("Eager rounds in the timed passes (each a plan's first round; its second captures the graph): "
+                         + "; ".join(f"{c}: {p}" for c, p in eager.items()))
         costs = rows[0].get("round_costs_ms", {})
         if costs:
             sizes = list(next(iter(costs.values())))

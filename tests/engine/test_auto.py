@@ -2,6 +2,9 @@
 alone and in batches that mix modes; the size follows cost and acceptance; the cost table is
 measured when missing and leaves no trace, and a table for another pair is refused."""
 
+import itertools
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -291,3 +294,27 @@ def test_the_engine_teaches_the_sizer_what_its_steps_cost(models):
     assert {size for _, size in exact} <= set(out.stats.tree_sizes) and {b for b, _ in exact} == {1}
     # the table's costs are seconds, these steps milliseconds: every ratio clamps at its floor
     assert all(ratio == 0.5 for ratio, _ in engine.sizer.correction.ratios.values())
+
+
+def test_an_eager_round_or_a_capture_teaches_the_sizer_nothing(models):
+    """A launch that ran its round eagerly or captured its graph (engine.graphs counts them) holds
+    host time no steady step has: neither the interval read just after it (the round before's,
+    read while it was launched) nor its own round's reaches the correction."""
+    engine = engine_with(models, tree_cost=2.0)
+    engine.sizer.correction = StepCorrection()
+    engine.graphs = SimpleNamespace(eager_rounds=0, captures=0, warm_buckets={1, 2, 4})  # this CPU engine has none
+    irregular, launches, real = {6, 7, 12}, itertools.count(), engine.worker.round
+
+    def counted(*args, **kwargs):
+        if next(launches) in irregular:
+            engine.graphs.captures += 1
+        return real(*args, **kwargs)
+
+    engine.worker.round = counted
+    sizes = engine.generate(prompts(1, 12, seed=3), max_new_tokens=NEW)[0].stats.tree_sizes
+    spoiled = irregular | {k - 1 for k in irregular}
+    steady = [sizes[k] for k in range(1, len(sizes)) if sizes[k - 1] == sizes[k]]  # round k read after round k - 1
+    kept = [sizes[k] for k in range(1, len(sizes)) if sizes[k - 1] == sizes[k] and k not in spoiled]
+    assert len(kept) < len(steady)  # spoiled intervals were steady ones: the rule has something to leave out
+    exact = {key: count for key, (_, count) in engine.sizer.correction.ratios.items() if key[1] >= 0}
+    assert exact == {(1, s): kept.count(s) for s in set(kept)}

@@ -128,7 +128,7 @@ def test_generate_keeps_the_round_costs_it_measured(pair, capsys, monkeypatch):
     """The first auto generate measures the table and keeps it; the next one for the same pair and
     device loads it and measures nothing; --fresh-costs measures again; a kept file that cannot
     be read is a warning and measured over."""
-    import ddtree.engine.engine as engine_module
+    import ddtree.engine.profiling as profiling
     from ddtree.engine.kept_costs import cache_dir
 
     target, drafter = pair
@@ -139,9 +139,9 @@ def test_generate_keeps_the_round_costs_it_measured(pair, capsys, monkeypatch):
     assert len(kept) == 1 and sorted(json.loads(kept[0].read_text())["seconds"]) == ["1", "2"]
     first = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
 
-    measure = engine_module.measure_round_costs
+    measure = profiling.measure_round_costs
     calls = []
-    monkeypatch.setattr(engine_module, "measure_round_costs", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    monkeypatch.setattr(profiling, "measure_round_costs", lambda *a, **k: calls.append(1) or measure(*a, **k))
     assert main(argv) == 0
     assert calls == [] and [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()] == first
     assert main([*argv, "--fresh-costs"]) == 0 and calls == [1]

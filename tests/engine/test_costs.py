@@ -74,8 +74,10 @@ def test_step_correction_learns_how_far_the_table_is_off():
     for _ in range(3):
         correction.observe(1, 0, seconds=0.5, predicted=1.0)
     assert correction.ratio(1, 0) == pytest.approx(0.5) and correction.ratio(1, 4) == pytest.approx(2.0)
-    correction.observe(1, 4, seconds=1000.0, predicted=1.0)  # a stall: clamped to 4, weight 1/3
-    assert correction.ratio(1, 4) == pytest.approx(2.0 + (4.0 - 2.0) / 3)
-    for _ in range(40):  # an exponential average after `memory` steps: the old ratio fades
+    correction.observe(1, 4, seconds=1000.0, predicted=1.0)  # a stall, one step in three: moves nothing
+    assert correction.ratio(1, 4) == pytest.approx(2.0) and correction.ratios[(1, 4)][1] == 3
+    correction.observe(1, 4, seconds=3.0, predicted=1.0)  # the median of the last four: 2, 2, 3, 4
+    assert correction.ratio(1, 4) == pytest.approx(2.5)
+    for _ in range(3):  # only the last `memory` steps count: the old ratios are gone
         correction.observe(1, 4, seconds=1.0, predicted=1.0)
-    assert correction.ratio(1, 4) == pytest.approx(1.0, abs=1e-3)
+    assert correction.ratio(1, 4) == pytest.approx(1.0) and correction.ratio(1, 32) == pytest.approx(1.0)

@@ -53,13 +53,13 @@ def test_standard_input_is_one_prompt_or_one_per_line(pair):
 def test_the_api_keeps_the_round_costs_it_measured(pair, monkeypatch, caplog):
     """Engine.from_pretrained uses and keeps the table as the commands do; "fresh" measures again,
     "off" neither reads nor writes; the measurement says so in a log line."""
-    import ddtree.engine.engine as engine_module
+    import ddtree.engine.profiling as profiling
 
     target, drafter = pair
     load = dict(device="cpu", max_batch=1, max_budget=8)
     calls = []
-    measure = engine_module.measure_round_costs
-    monkeypatch.setattr(engine_module, "measure_round_costs", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    measure = profiling.measure_round_costs
+    monkeypatch.setattr(profiling, "measure_round_costs", lambda *a, **k: calls.append(1) or measure(*a, **k))
     params = dict(max_new_tokens=6)
     with caplog.at_level(logging.INFO, logger="ddtree.engine"):
         first = Engine.from_pretrained(target, drafter, **load).generate(["a"], **params)

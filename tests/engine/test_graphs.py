@@ -141,3 +141,24 @@ def test_auto_rounds_graphed_equal_eager_through_plain_steps_and_trees(tmp_path)
         n = int(eager.drafter.lengths[slot])
         for a, b in zip(eager.drafter.keys + eager.drafter.values, graphed.drafter.keys + graphed.drafter.values):
             assert torch.equal(a[slot, :n], b[slot, :n])
+
+
+@pytest.mark.cuda
+def test_a_given_cost_table_still_captures_auto_rounds_before_the_first_request(tmp_path):
+    """Costs from a given (or kept) table measure nothing, yet every bucket's budget auto rounds
+    are captured before the first one runs: the generate after runs no eager round (each would
+    be an eager round and a capture on the request path)."""
+    from ddtree.engine.costs import RoundCosts
+
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    probe = Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.bfloat16, max_batch=4)
+    sizes = probe.sizer.sizes
+    table = RoundCosts(probe.signature, {b: {s: 1e-3 * (1 + b / 8) * (1 + s / 16) for s in sizes} for b in (1, 2, 4)})
+    engine = Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.bfloat16, page_size=16,
+                                    max_batch=4, stop_token_ids=(), round_costs=table)
+    engine.measure_round_costs()
+    assert engine.graphs.warm_buckets == {1, 2, 4} and engine.graphs.captures > 0
+    eager = engine.graphs.eager_rounds
+    outs = engine.generate(prompts(4, 48, seed=5), 60, budget="auto")
+    assert all(len(o.token_ids) == 60 for o in outs)
+    assert engine.graphs.eager_rounds == eager, dict(engine.graphs.eager_plans)

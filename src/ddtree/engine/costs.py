@@ -9,6 +9,7 @@ what it was measured for (`pair_signature`) and refuses to be used for anything 
 from __future__ import annotations
 
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,22 +155,25 @@ class StepCorrection:
     (bucket, size) and, for tree rounds, per bucket over all tree sizes: a tree size not observed
     yet takes the ratio of the trees seen. A plain step not observed yet keeps the table's cost:
     the table measured it as it runs (no tree to differ), and a tree observed dear must not make
-    plain steps look dear too, or they would never be tried. Each is a running mean over its
-    first observations, then an exponential average; one step's ratio is clamped to `limits` so
-    a stall (a page fault, a collection) moves it little."""
+    plain steps look dear too, or they would never be tried. Each is the median of its last
+    `memory` observations, so that a stall (a page fault, a collection, a kernel compiled late)
+    moves none while it is one step in a few; one step's ratio is also clamped to `limits`."""
 
     ANY_TREE = -1
 
     def __init__(self, memory: int = 16, min_count: int = 2, limits: tuple[float, float] = (0.5, 4.0)):
         self.memory, self.min_count, self.limits = memory, min_count, limits
         self.ratios: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, size) -> (ratio, steps seen)
+        self._recent: dict[tuple[int, int], deque[float]] = {}
 
     def observe(self, bucket: int, size: int, seconds: float, predicted: float) -> None:
         ratio = min(max(seconds / predicted, self.limits[0]), self.limits[1])
         for key in self._keys(bucket, size):
-            mean, count = self.ratios.get(key, (1.0, 0))
-            weight = 1.0 / min(count + 1, self.memory)
-            self.ratios[key] = (mean + weight * (ratio - mean), count + 1)
+            recent = self._recent.setdefault(key, deque(maxlen=self.memory))
+            recent.append(ratio)
+            ordered, half = sorted(recent), len(recent) // 2
+            median = ordered[half] if len(recent) % 2 else (ordered[half - 1] + ordered[half]) / 2
+            self.ratios[key] = (median, self.ratios.get(key, (1.0, 0))[1] + 1)
 
     def ratio(self, bucket: int, size: int) -> float:
         """The factor for a step of `size` at `bucket`: its own once seen min_count times, else

@@ -28,7 +28,7 @@ from .inflight import Flight
 from .kept_costs import keep_table, kept_table
 from .loading import default_num_pages, load_pair, resolve_device
 from .pages import BlockManager, KVCacheFull, pages_for
-from .profiling import buckets_up_to, measure_round_costs
+from .profiling import buckets_up_to, prepare_auto_rounds
 from .request import Request, RequestOutput, node_limit_for
 from .round import RoundContext
 from .sampling import SamplingParams
@@ -167,20 +167,18 @@ class Engine(Stepping, OfflineGeneration):
 
     def measure_round_costs(self, max_requests: int | None = None, **options) -> RoundCosts:
         """Measure what the cost table lacks for batches of up to max_requests (default max_batch)
-        requests, on an engine with nothing running (engine/profiling.py: options; queued requests
-        wait); returns the table, which budget="auto" rounds use from then on."""
+        requests, and capture the round graphs of the buckets it already had, on an engine with
+        nothing running (engine/profiling.py: options; queued requests wait); returns the table,
+        which budget="auto" rounds use from then on."""
         if self.sizer is None:
             raise ValueError("round costs are for tree sizes: this engine has no drafter")
-        missing = self.unmeasured_buckets(max_requests)
-        if missing:
-            queued, self._waiting = self._waiting, deque()
-            try:
-                table = measure_round_costs(self, missing, **options)
-            finally:
-                self._waiting.extendleft(reversed(queued))
-            self.sizer.add_costs(table, missing)
-            if self.kept_costs != "off" and (path := keep_table(self.sizer.costs, self.signature)) is not None:
-                log.info("round costs kept in %s for the next engine of this pair on this device", path)
+        queued, self._waiting = self._waiting, deque()
+        try:
+            measured = prepare_auto_rounds(self, buckets_up_to(max_requests or self.max_batch, self.max_batch), **options)
+        finally:
+            self._waiting.extendleft(reversed(queued))
+        if measured and self.kept_costs != "off" and (path := keep_table(self.sizer.costs, self.signature)) is not None:
+            log.info("round costs kept in %s for the next engine of this pair on this device", path)
         return self.sizer.costs
 
     def unmeasured_buckets(self, max_requests: int | None = None) -> list[int]:

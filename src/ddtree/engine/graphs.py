@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -52,6 +53,8 @@ class RoundGraphs:
         self._idle_timer = StageTimer(state.device, enabled=False)
         self.replays = 0
         self.eager_rounds = 0  # a plan's first round, and every round of a plan past max_graphs
+        self.eager_plans: Counter[str] = Counter()  # describe(plan) -> its eager rounds
+        self.warm_buckets: set[int] = set()  # budget auto's shapes captured at start-up (engine/profiling.py)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -71,6 +74,7 @@ class RoundGraphs:
                     log.warning("%d CUDA graphs held (max_graphs): %s runs eagerly", self.max_graphs, describe(plan))
                 self._seen.add(plan)
                 self.eager_rounds += 1
+                self.eager_plans[describe(plan)] += 1
                 return run_round(self.ctx, self.state, plan, self.max_depth, timer)
             entry = self._capture(plan)
         graph, result = entry

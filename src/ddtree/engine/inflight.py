@@ -22,13 +22,15 @@ from .timing import StageTimer
 @dataclass
 class Flight:
     """requests: the round's requests (each in its slot at launch); result: int64 [bucket, width]
-    on the host (page-locked on CUDA), complete once `done` has; timer: the round's stage marks."""
+    on the host (page-locked on CUDA), complete once `done` has; timer: the round's stage marks;
+    irregular: set by the engine when the launch ran the round eagerly or captured its graph."""
 
     requests: list[Request]
     plan: RoundPlan
     result: torch.Tensor
     done: torch.cuda.Event | None
     timer: StageTimer
+    irregular: bool = False  # ran eagerly or captured its graph: its time is no step's cost
 
     def rows(self) -> list[list[int]]:
         """The result as lists, waiting for the copy (and so the round) to finish."""

@@ -40,6 +40,21 @@ def buckets_up_to(count: int, max_batch: int) -> list[int]:
     return buckets + [top]
 
 
+def prepare_auto_rounds(engine, buckets: list[int], **options) -> list[int]:
+    """Before budget auto's rounds at `buckets`: measure the costs the engine's table lacks (into
+    it) and capture the graphs of the buckets whose costs came from a kept or given table (each
+    would otherwise be an eager round and a capture on the request path). Returns the buckets
+    measured. Options: measure_round_costs's."""
+    missing = engine.sizer.unmeasured(buckets)
+    if missing:
+        engine.sizer.add_costs(measure_round_costs(engine, missing, **options), missing)
+    if engine.graphs is not None:
+        cold = [b for b in buckets if b not in missing and b not in engine.graphs.warm_buckets]
+        capture_round_graphs(engine, cold)
+        engine.graphs.warm_buckets.update(missing + cold)
+    return missing
+
+
 def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None, warmup: int = 3,
                         repeats: int = 6, passes: int = 2, progress: bool | None = None) -> RoundCosts:
     """Seconds per step at each bucket in `buckets` and each size of engine.sizer.sizes.
@@ -92,6 +107,26 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     log.info("measured round costs for batch buckets %s x tree sizes %s in %.1f s", buckets, list(sizes),
              time.perf_counter() - start)
     return table
+
+
+def capture_round_graphs(engine, buckets: list[int], *, warmup: int = 3) -> None:
+    """Capture the CUDA graphs of budget auto's rounds at each bucket in `buckets` (plain steps
+    with and without their rows set aside, every tree size with and without an append), as
+    measure_round_costs does for the buckets it times: for buckets whose costs come from a kept
+    or given table. Stand-in requests, as there; buckets the KV cache cannot fill are left out."""
+    if not buckets:
+        return
+    engine.drain()
+    prefix, new_tokens, fit = stand_in_geometry(engine, None, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + 1)
+    buckets = [b for b in buckets if b <= fit]
+    start, gen, vocab = time.perf_counter(), torch.Generator().manual_seed(0), engine.target.cfg.vocab_size
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    for bucket in buckets:
+        for size in engine.sizer.sizes:
+            prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
+            _time_steps(engine, prompts, params, size, warmup, 1)
+    log.info("captured the round graphs of batch buckets %s x tree sizes %s in %.1f s", buckets,
+             list(engine.sizer.sizes), time.perf_counter() - start)
 
 
 def stand_in_geometry(engine, prefix: int | None, steps: int) -> tuple[int, int, int]:

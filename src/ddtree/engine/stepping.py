@@ -43,6 +43,8 @@ class Stepping:
         if outputs:
             self._last_read = None  # this step's prefill would count as the next read round's cost
         launched = self._launch([r for _, r in sorted(self._running.items())]) if self._running else None
+        if launched is not None and launched.irregular:
+            self._last_read = None  # the interval read next holds this launch's eager round or capture
         ready, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)
         for out in self._collect(ready) if ready is not None else []:
             first = outputs.get(out.request_id)
@@ -95,8 +97,12 @@ class Stepping:
                              for r in requests])
         timer = StageTimer(self.device, self.time_stages)
         timer.start()
+        graphs = self.graphs
+        before = (graphs.eager_rounds, graphs.captures) if graphs is not None else None
         result = self.worker.round(self.blocks.table[: plan.bucket], plan, timer)
-        return launch_copy(result, requests, plan, timer)
+        flight = launch_copy(result, requests, plan, timer)
+        flight.irregular = before is not None and before != (graphs.eager_rounds, graphs.captures)
+        return flight
 
     def _collect(self, flight: Flight) -> list[StepOutput]:
         """Commit what a launched round committed, for its requests still running."""
@@ -122,8 +128,9 @@ class Stepping:
         if auto and self.sizer.forced is None:
             self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
         # One step's wall time: this read since the last one, when both rounds had one shape. After
-        # a step of another shape the interval also holds that step's tail and the switch.
-        if auto and previous is not None and previous[1] == shape:
+        # a step of another shape the interval also holds that step's tail and the switch; an
+        # eager round or a capture (CUDA graphs) is no step's cost either.
+        if auto and previous is not None and previous[1] == shape and not flight.irregular:
             self.sizer.observe_step(*shape, start - previous[0])
         return outputs
 

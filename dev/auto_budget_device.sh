@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo moonlight kimi steps sync servevsengine
+#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo continuous moonlight kimi steps sync servevsengine
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -35,7 +35,10 @@ for part in "$@"; do
                --tokens ${MOE_TOKENS:-65 256 544 1024} --tiles auto --out "$out/bf16" 2>&1 | tail -12 ;;
     tiny) python3 benchmarks/auto_budget.py --pair tiny --batches 1 4 --budgets 4 16 --new 32 --prefix 64 --wrong \
             --out-dir /tmp/tiny 2>&1 | grep -A3 "Bars\|^  " ;;
-    demo) timeout "${DEMO_S:-420}" python3 benchmarks/auto_budget.py --pair demo --passes "${PASSES:-5}" --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" ;;
+    demo) timeout "${DEMO_S:-420}" python3 benchmarks/auto_budget.py --pair demo --passes "${PASSES:-5}" --out-dir "$out" 2>&1 | tee "$out/demo.log" | grep -v "^|" | grep -v "measuring round costs" ;;
+    continuous) mkdir -p "$out/continuous" && timeout "${DEMO_S:-420}" python3 benchmarks/auto_budget.py --pair demo \
+                  --passes "${PASSES:-5}" --schedule continuous --out-dir "$out/continuous" 2>&1 \
+                  | tee "$out/continuous/demo.log" | grep -v "^|" | grep -v "measuring round costs" ;;
     moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \
                  | tee "$out/moonlight.log" | grep -v "^|" ;;
     kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \

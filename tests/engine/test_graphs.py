@@ -151,11 +151,11 @@ def test_a_given_cost_table_still_captures_auto_rounds_before_the_first_request(
     from ddtree.engine.costs import RoundCosts
 
     target_dir, drafter_dir, _ = make_pair(tmp_path)
-    probe = Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.bfloat16, max_batch=4)
+    load = dict(device="cuda", dtype=torch.bfloat16, page_size=16, max_batch=4, stop_token_ids=())
+    probe = Engine.from_pretrained(target_dir, drafter_dir, **load)
     sizes = probe.sizer.sizes
     table = RoundCosts(probe.signature, {b: {s: 1e-3 * (1 + b / 8) * (1 + s / 16) for s in sizes} for b in (1, 2, 4)})
-    engine = Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.bfloat16, page_size=16,
-                                    max_batch=4, stop_token_ids=(), round_costs=table)
+    engine = Engine.from_pretrained(target_dir, drafter_dir, round_costs=table, **load)
     engine.measure_round_costs()
     assert engine.graphs.warm_buckets == {1, 2, 4} and engine.graphs.captures > 0
     eager = engine.graphs.eager_rounds

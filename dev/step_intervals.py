@@ -1,0 +1,85 @@
+"""The wall time between an engine's consecutive reads of rounds of one shape, by plan (size, drafter
+rows set aside, appended), for the demo pair in groups of B (auto_budget's schedule): what the
+sizer's step correction sees, `ar` beside auto. Also counts the synchronizing calls torch reports
+(torch.cuda.set_sync_debug_mode) during the timed pass.
+
+    python dev/step_intervals.py --batch 32 --configs ar ddtree,auto
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from ddtree import Engine  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--configs", nargs="+", default=["ar", "ddtree,auto"])
+    args = parser.parse_args()
+    lines = (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines][: args.prompts]
+    engine = Engine.from_pretrained(max_batch=args.batch, max_budget=64, kept_costs="off")
+    engine.measure_round_costs()
+    reads = []
+    original = engine._collect
+
+    def collect(flight):
+        flight.rows()  # wait here, so the time is the round's end as the engine's own read sees it
+        p = flight.plan
+        reads.append((time.perf_counter(), p.bucket, p.budget, p.features, p.flush, flight.irregular))
+        return original(flight)
+
+    engine._collect = collect
+    cuda = engine.device.type == "cuda"
+    for config in args.configs:
+        mode, _, budget = config.partition(",")
+        budget = "auto" if budget == "auto" else int(budget or 1)
+        groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
+        for group in groups:  # warm-up pass
+            engine.generate(group, 128, mode=mode, budget=budget)
+        reads.clear()
+        syncs = Counter()
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for group in groups:
+                engine.generate(group, 128, mode=mode, budget=budget)
+        wall = time.perf_counter() - start
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+        for w in caught:
+            syncs[f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:60]}"] += 1
+        spans = defaultdict(list)
+        for before, now in zip(reads, reads[1:]):
+            if before[1:3] == now[1:3] and not now[5] and not before[5]:
+                spans[(now[1], now[2], now[3], now[4], before[3], before[4])].append(now[0] - before[0])
+        print(f"{config} at B = {args.batch}: wall {wall * 1e3:.0f} ms, {len(reads)} reads; intervals between reads of "
+              f"one shape (bucket, size, features, flush, previous features, previous flush): median / p90 ms (count)")
+        for key, values in sorted(spans.items(), key=lambda kv: -len(kv[1])):
+            values.sort()
+            print(f"  {key}: {statistics.median(values) * 1e3:.3f} / {values[int(0.9 * (len(values) - 1))] * 1e3:.3f} "
+                  f"({len(values)})")
+        if engine.sizer is not None:
+            print("  correction:", {k: (round(r, 3), n) for k, (r, n) in sorted(engine.sizer.correction.ratios.items())})
+        print("  synchronizing calls:", dict(syncs.most_common(8)) or "none reported", flush=True)
+
+
+if __name__ == "__main__":
+    main()

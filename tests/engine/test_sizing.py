@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.engine.acceptance import AcceptanceLedger
+from ddtree.engine.acceptance import AcceptanceLedger, largest_normal
 from ddtree.engine.costs import RoundCosts
 from ddtree.engine.batch import PENDING_ROWS
 from ddtree.engine.round import result_width
@@ -78,6 +78,18 @@ def test_the_ledger_forgets_old_rounds():
     assert ledger.tokens(8) == pytest.approx(8.0)
     feed(ledger, [], verified=8, rounds=20)
     assert ledger.tokens(8) < 1.05 and ledger.weight(8) == pytest.approx(4.0, rel=1e-2)
+
+
+def test_the_ledger_knows_how_much_a_round_s_tokens_vary():
+    """Two requests' rounds: one accepted nodes 1, 2, 3 (tokens 2, 3, 4, 4 at sizes 1 .. 4), the
+    other nothing (1 at every size): the variance at each size is that of those two values."""
+    ledger = AcceptanceLedger(8, memory=4)
+    rows = np.array([path([1, 2, 3])[0], path([])[0]])
+    ledger.observe(rows, np.array([4, 1]), verified=4)
+    assert ledger.variance_of([0, 1, 2, 3, 4]) == pytest.approx([0.0, 0.25, 1.0, 2.25, 2.25])
+    feed(ledger, [1, 2, 3], verified=4, rounds=40)  # the same path every round since: no spread left
+    assert ledger.variance_of([1, 4]) == pytest.approx([0.0, 0.0], abs=1e-4)  # 0.75^40 of the first round left
+    assert largest_normal(1) == 0.0 and 1.4 < largest_normal(8) < 1.45 and 2.0 < largest_normal(32) < 2.1
 
 
 @pytest.mark.parametrize("kind", ["normal", "bf16", "peaked"])
@@ -280,6 +292,22 @@ def test_a_closed_batch_takes_the_size_whose_slowest_request_ends_first():
     sizer.state.held = None
     slow.remaining = 20  # the lagging request is nearly done: the other's end counts
     assert sizer.choose(1, [fast, slow], 0.0, 0, closed=True) == 4
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_a_closed_batch_of_many_requests_needs_a_margin_that_covers_the_rounds_luck(spread):
+    """Trees of 4 commit 3 tokens a round on average for 2.7 plain steps' time: 11% better per
+    round. One request waited for alone still takes them; a batch of 32 ends with its unluckiest
+    request, and when rounds commit 5 or 1 tokens at random (variance 4) that one needs about 8
+    rounds more than the mean: plain steps end it first. Rounds that always commit 3: trees."""
+    sizer = TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.2, 2: 2.25, 4: 2.7, 8: 3.0, 16: 4.0}))
+    rows = [path([1, 2, 3, 4])[0], path([])[0]] if spread else [path([1, 2])[0]] * 2
+    for _ in range(8):
+        sizer.state.ledger.observe(np.array(rows), np.array([5, 1] if spread else [3, 3]), 16)
+    assert sizer.state.ledger.tokens(4) == pytest.approx(3.0)
+    assert sizer.choose(1, [FakeRequest(100)], 0.0, 0, closed=True) == (4 if spread else 2)
+    sizer.state.held = None
+    assert sizer.choose(1, [FakeRequest(100) for _ in range(32)], 0.0, 0, closed=True) == (0 if spread else 2)
 
 
 def test_learning_a_round_counts_each_request_s_accepted_and_expected_nodes():

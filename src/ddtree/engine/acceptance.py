@@ -15,6 +15,9 @@ rates. Nothing is predicted from the drafter's probabilities: on the demo pair t
 
 from __future__ import annotations
 
+import functools
+from statistics import NormalDist
+
 import numpy as np
 
 
@@ -29,6 +32,7 @@ class AcceptanceLedger:
         self.largest, self.decay = largest, 1.0 - 1.0 / memory
         self.hits = np.zeros(largest + 1)  # [n]: decayed count of rounds whose path held node n
         self.seen = np.zeros(largest + 1)  # [n]: decayed count of request-rounds that verified node n
+        self.squares = np.zeros(largest + 1)  # [n]: decayed sum of (tokens a round of n nodes committed)^2
         self.frontier = 0  # the most nodes any observed round verified: sizes up to it are known
         self._cumulative: np.ndarray | None = None
 
@@ -46,6 +50,10 @@ class AcceptanceLedger:
         self.seen[1 : v + 1] *= self.decay
         self.seen[1 : v + 1] += len(accepted)
         np.add.at(self.hits, nodes[on_path], 1.0)
+        flat = np.nonzero(on_path)[0] * (v + 1) + nodes[on_path]  # (request, node) of each accepted node
+        counts = np.bincount(flat, minlength=len(accepted) * (v + 1)).reshape(len(accepted), v + 1)
+        tokens = 1.0 + np.cumsum(counts[:, 1:], 1)  # [R, v]: what a round of 1 .. v nodes would have committed
+        self.squares[1 : v + 1] = self.squares[1 : v + 1] * self.decay + (tokens * tokens).sum(0)
         self.frontier = max(self.frontier, v)
         self._cumulative = None
 
@@ -63,6 +71,20 @@ class AcceptanceLedger:
             self._cumulative = 1.0 + np.cumsum(rates)  # index n: 1 + rates of nodes 1 .. n (rates[0] = 0)
         return self._cumulative[sizes]
 
+    def variance_of(self, sizes: list[int]) -> np.ndarray:
+        """float64 [len(sizes)]: the variance of the tokens one request's round of each size commits
+        (0 for a plain step), over the same recent rounds as tokens_of."""
+        sizes = np.asarray(sizes, dtype=np.int64)
+        mean = self.tokens_of(sizes)
+        squares = np.divide(self.squares[sizes], self.seen[sizes], out=mean * mean, where=self.seen[sizes] > 0)
+        return np.maximum(squares - mean * mean, 0.0)
+
     def weight(self, size: int) -> float:
         """How many recent request-rounds (decayed) verified node `size`: how sure tokens(size) is."""
         return float(self.seen[min(size, self.largest)]) if size > 0 else float("inf")
+
+
+@functools.cache
+def largest_normal(count: int) -> float:
+    """The expected largest of `count` standard normal draws (Blom's approximation; 0 for one)."""
+    return NormalDist().inv_cdf((count - 0.375) / (count + 0.25)) if count > 1 else 0.0

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import AcceptanceLedger
+from .acceptance import AcceptanceLedger, largest_normal
 from .batch import PENDING_ROWS
 from .costs import RoundCosts, StepCorrection, check_signature
 from .round import result_width
@@ -235,11 +235,17 @@ class TreeSizer:
 
     def _soonest_done(self, known: list[int], seconds: list[float], auto: list, caps: np.ndarray) -> int:
         """The size (of `known`, 0 included) whose slowest request is expected to end first. A
-        request's accepted nodes per round at size s: the pooled rate's times its own scale."""
-        nodes = self.state.ledger.tokens_of(known) - 1.0  # [S] accepted nodes per round, pooled
+        request's accepted nodes per round at size s: the pooled rate's times its own scale. The
+        rounds a request needs spread with the rounds' luck (a renewal count: the variance of
+        tokens per round over the mean cubed, per token), and a batch of R requests ends with its
+        unluckiest, about z_R standard deviations past the mean (the expected largest of R normals):
+        so at one request trees win by their rate, at 32 only by a margin that covers the spread."""
+        ledger = self.state.ledger
+        nodes = ledger.tokens_of(known) - 1.0  # [S] accepted nodes per round, pooled
         scale = np.array([(r.accepted_nodes + PRIOR_NODES) / (r.expected_nodes + PRIOR_NODES) for r in auto])
-        per_round = np.minimum(1.0 + scale[:, None] * nodes[None, :], caps[:, None])  # [R, S] tokens
-        rounds = np.ceil(caps[:, None] / np.maximum(per_round, 1.0)).max(0)  # [S]: the slowest request's
+        per_round = np.maximum(np.minimum(1.0 + scale[:, None] * nodes[None, :], caps[:, None]), 1.0)  # [R, S]
+        spread = np.sqrt(caps[:, None] * ledger.variance_of(known)[None, :] / per_round**3)  # [R, S] rounds
+        rounds = np.ceil(caps[:, None] / per_round + largest_normal(len(auto)) * spread).max(0)  # [S]: the slowest's
         return known[int(np.argmin(rounds * np.asarray(seconds)))]  # ties to the smaller size
 
     def observe_step(self, bucket: int, size: int, seconds: float) -> None:

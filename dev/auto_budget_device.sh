@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo continuous moonlight kimi steps intervals one sync servevsengine
+#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -49,6 +49,8 @@ for part in "$@"; do
         | tee "$out/serve_vs_engine.log" | grep -v "^|" | tail -24 ;;
     intervals) for b in ${INTERVAL_B:-1 32}; do python3 dev/step_intervals.py --batch $b --prompts $((2 * b > 16 ? 2 * b : 16)); done 2>&1 \
                  | grep -v "measuring round costs" | tee "$out/step_intervals.log" ;;
+    admission) python3 dev/admission_profile.py --batch 32 --prompts 120 2>&1 | tee "$out/admission_profile.log" \
+                 | grep -E "wall|prefill|admit" | head -40 ;;
     one) timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA $ONE 2>&1 | tail -15 ;;
     sync) python3 dev/scalar_write_sync.py 2>&1 | tee "$out/scalar_write_sync.log" ;;
     steps) for b in 8 32; do python3 dev/demo_step_profile.py --batch $b --prompts $((4*b)) --configs ar,1 ddtree,16 ddtree,32 ddtree,auto ddtree,auto@0 ddtree,auto@32; done 2>&1 \

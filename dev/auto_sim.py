@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per batch size")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--only", nargs="+", help="run only these configurations (ar, 'ddtree 8', auto)")
     args = parser.parse_args()
     torch.set_flush_denormal(True)
     rows = json.loads(args.costs.read_text())["rows"]
@@ -43,6 +44,7 @@ def main() -> None:
         chosen = prompts[: args.prompts]
         groups = [chosen[i : i + batch] for i in range(0, len(chosen), batch)]
         configs = [("ar", "ar", 1)] + [(f"ddtree {b}", "ddtree", b) for b in args.budgets] + [("auto", "ddtree", "auto")]
+        configs = [c for c in configs if not args.only or c[0] in args.only]
         print(f"B = {batch}:")
         for label, mode, budget in configs:
             engine.sizer.costs = RoundCosts(engine.signature, {b: dict(r) for b, r in seconds.items()})

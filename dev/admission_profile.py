@@ -1,0 +1,74 @@
+"""Where the time of admissions goes under continuous batching: the demo pair, one generate call of
+N prompts on an engine of max_batch B (a finished request's slot refilled at once), the timed
+pass split into Engine.step's parts (admit + prefill, launch, collect), admissions counted, and
+cProfile's functions by cumulative time (the host's view of each prefill).
+
+    python dev/admission_profile.py --batch 32 --prompts 120 --configs ar,1 ddtree,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "dev"))
+
+from ddtree import Engine  # noqa: E402
+from demo_step_profile import timed_parts  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=120)
+    parser.add_argument("--configs", nargs="+", default=["ar,1", "ddtree,8"])
+    args = parser.parse_args()
+    lines = (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines][: args.prompts]
+    engine = Engine.from_pretrained(max_batch=args.batch, max_budget=64, kept_costs="off")
+    ids = [engine.tokenize(p) for p in prompts]  # token ids: the text's encoding is no part of a step
+    spent = timed_parts(engine)
+    admissions = []
+    prefill = engine.worker.prefill
+
+    def counted(table, slots, *rest):
+        admissions.append(len(slots))
+        return prefill(table, slots, *rest)
+
+    engine.worker.prefill = counted
+    for config in args.configs:
+        mode, budget = config.split(",")
+        engine.generate(ids, 128, mode=mode, budget=int(budget))
+        for profiled in (False, True):
+            for k in spent:
+                spent[k] = 0.0
+            admissions.clear()
+            profile = cProfile.Profile()
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            if profiled:
+                profile.enable()
+            engine.generate(ids, 128, mode=mode, budget=int(budget))
+            if profiled:
+                profile.disable()
+            wall = time.perf_counter() - start
+            print(f"{config}{' (cProfile)' if profiled else ''}: wall {wall * 1e3:.0f} ms, admit {spent['admit'] * 1e3:.0f}, "
+                  f"launch {spent['launch'] * 1e3:.0f}, collect {spent['collect'] * 1e3:.0f}; {len(admissions)} prefills "
+                  f"of {sum(admissions)} prompts (admit per prefill {spent['admit'] * 1e3 / max(1, len(admissions)):.2f} ms)",
+                  flush=True)
+            if profiled:
+                pstats.Stats(profile).sort_stats("cumulative").print_stats(28)
+
+
+if __name__ == "__main__":
+    main()

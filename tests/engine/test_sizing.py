@@ -299,7 +299,8 @@ def test_a_closed_batch_of_many_requests_needs_a_margin_that_covers_the_rounds_l
     """Trees of 4 commit 3 tokens a round on average for 2.7 plain steps' time: 11% better per
     round. One request waited for alone still takes them; a batch of 32 ends with its unluckiest
     request, and when rounds commit 5 or 1 tokens at random (variance 4) that one needs about 8
-    rounds more than the mean: plain steps end it first. Rounds that always commit 3: trees."""
+    rounds more than the mean: plain steps end it first, and probes, which could not change
+    that, are skipped. Rounds that always commit 3: trees."""
     sizer = TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 2.2, 2: 2.25, 4: 2.7, 8: 3.0, 16: 4.0}))
     rows = [path([1, 2, 3, 4])[0], path([])[0]] if spread else [path([1, 2])[0]] * 2
     for _ in range(8):
@@ -307,7 +308,12 @@ def test_a_closed_batch_of_many_requests_needs_a_margin_that_covers_the_rounds_l
     assert sizer.state.ledger.tokens(4) == pytest.approx(3.0)
     assert sizer.choose(1, [FakeRequest(100)], 0.0, 0, closed=True) == (4 if spread else 2)
     sizer.state.held = None
-    assert sizer.choose(1, [FakeRequest(100) for _ in range(32)], 0.0, 0, closed=True) == (0 if spread else 2)
+    batch = [FakeRequest(100) for _ in range(32)]
+    assert sizer.choose(1, batch, 0.0, 0, closed=True) == (0 if spread else 2)
+    if spread:  # trees expected to end the batch 15% after plain steps: no probe, no rows set aside for one
+        for _ in range(200):
+            assert sizer.choose(1, batch, 0.0, 0, closed=True) == 0 and not sizer.set_aside
+        assert sizer.state.wait == sizer.max_wait
 
 
 def test_learning_a_round_counts_each_request_s_accepted_and_expected_nodes():

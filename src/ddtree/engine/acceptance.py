@@ -88,3 +88,15 @@ class AcceptanceLedger:
 def largest_normal(count: int) -> float:
     """The expected largest of `count` standard normal draws (Blom's approximation; 0 for one)."""
     return NormalDist().inv_cdf((count - 0.375) / (count + 0.25)) if count > 1 else 0.0
+
+
+def slowest_rounds(ledger: AcceptanceLedger, sizes: list[int], scale: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """float64 [len(sizes)]: the rounds a batch's slowest request is expected to take at each size,
+    for R requests with `caps` [R] tokens left whose accepted nodes per round are the ledger's
+    times `scale` [R]. A request's rounds spread with the rounds' luck (a renewal count: the
+    variance of tokens per round over the mean cubed, per token), and a batch ends with its
+    unluckiest request, about largest_normal(R) standard deviations past its mean: at one
+    request trees win by their rate, at 32 only by a margin that covers the spread."""
+    per_round = np.maximum(np.minimum(1.0 + scale[:, None] * (ledger.tokens_of(sizes) - 1.0)[None, :], caps[:, None]), 1.0)
+    spread = np.sqrt(caps[:, None] * ledger.variance_of(sizes)[None, :] / per_round**3)  # [R, S] rounds
+    return np.ceil(caps[:, None] / per_round + largest_normal(len(caps)) * spread).max(0)

@@ -11,14 +11,16 @@ from .costs import StepCorrection
 @dataclass(frozen=True)
 class HeldChoice:
     """A size chosen in full, for the batch `key` (bucket, floor, closed, auto requests, one about
-    to end): 0 holds until the plain run's probe; a tree holds `rounds_left` more rounds, with the
-    next larger size it explores and (plain rate, its rate) for the plain-burst check."""
+    to end): 0 holds until the plain run's probe (probe False: a closed batch skips it, and its
+    plain steps set nothing aside); a tree holds `rounds_left` more rounds, with the next larger
+    size it explores and (plain rate, its rate) for the plain-burst check."""
 
     key: tuple
     size: int
     larger: int | None = None
     rounds_left: int = 0
     rates: tuple[float, float] | None = None
+    probe: bool = True
 
 
 @dataclass

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import AcceptanceLedger, largest_normal
+from .acceptance import AcceptanceLedger, slowest_rounds
 from .batch import PENDING_ROWS
 from .costs import RoundCosts, StepCorrection, check_signature
 from .round import result_width
@@ -48,6 +48,7 @@ from .sizer_state import HeldChoice, SizerState
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
 HOLD_ROUNDS = 4  # a tree size chosen holds this many rounds while its batch stays as it was
+PROBE_MARGIN = 0.05  # a closed batch probes trees only while they are expected to end it at most 5% after plain steps
 PRIOR_NODES = 24.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 24 nodes
 
 
@@ -160,7 +161,7 @@ class TreeSizer:
             # for HOLD_ROUNDS rounds, its exploration and plain bursts kept on their clocks.
             if held.size == 0 and state.plain_steps + 1 < state.wait:
                 state.plain_steps += 1
-                self.set_aside = state.wait - state.plain_steps < PENDING_ROWS
+                self.set_aside = held.probe and state.wait - state.plain_steps < PENDING_ROWS
                 return 0
             if held.size > 0 and held.rounds_left > 0:
                 state.held = dataclasses.replace(held, rounds_left=held.rounds_left - 1)
@@ -183,14 +184,15 @@ class TreeSizer:
         caps = np.fromiter((r.remaining_tokens() for r in auto), np.float64, len(auto))
         # a request commits at most what it has left: [requests, sizes] summed over requests
         tokens = (fixed_tokens + np.minimum(ledger.tokens_of(known)[None, :], caps[:, None]).sum(0)).tolist()
+        may_probe = True
         if closed and floor == 0 and fixed_tokens == 0:
-            size = self._soonest_done(known, seconds, auto, caps)
+            size, may_probe = self._soonest_done(known, seconds, auto, caps)
         else:
             size = best_size(known, seconds, tokens)
         if size == 0:
-            size = self._plain_or_probe(bucket, known, seconds, tokens, caps)
+            size = self._plain_or_probe(bucket, known, seconds, tokens, caps, may_probe)
             if size == 0:
-                state.held = HeldChoice(key, 0)
+                state.held = HeldChoice(key, 0, probe=may_probe)
             return size
         state.plain_steps, state.wait = 0, self.first_wait
         larger = next((s for s in candidates if s > size), None)
@@ -219,12 +221,16 @@ class TreeSizer:
         return plain_rate >= 0.5 * best_rate and state.rounds - state.plain_tried.get(bucket, 0) >= every
 
     def _plain_or_probe(self, bucket: int, known: list[int], seconds: list[float], tokens: list[float],
-                        caps: np.ndarray) -> int:
+                        caps: np.ndarray, may_probe: bool = True) -> int:
+        """A plain step, or when the plain run's wait is over a probe (the best tree by rate); a
+        closed batch's trees expected far from paying (may_probe False) skip it, the wait doubling."""
         state = self.state
         state.plain_steps += 1
-        if state.plain_steps < state.wait or caps.max(initial=0) <= 1:
+        if not may_probe and state.plain_steps >= state.wait:
+            state.plain_steps, state.wait = 0, min(2 * state.wait, self.max_wait)
+        if state.plain_steps < state.wait or caps.max(initial=0) <= 1 or not may_probe:
             # the drafter needs the rows of the steps just before the probe; a request about to end none
-            self.set_aside = state.wait - state.plain_steps < PENDING_ROWS and caps.max(initial=0) > 1
+            self.set_aside = may_probe and state.wait - state.plain_steps < PENDING_ROWS and caps.max(initial=0) > 1
             return 0
         state.plain_steps, state.wait = 0, min(2 * state.wait, self.max_wait)
         trees = [i for i, s in enumerate(known) if s > 0]
@@ -233,20 +239,16 @@ class TreeSizer:
             state.burst = (probe, 1)  # a second round teaches the correction its cost
         return probe
 
-    def _soonest_done(self, known: list[int], seconds: list[float], auto: list, caps: np.ndarray) -> int:
-        """The size (of `known`, 0 included) whose slowest request is expected to end first. A
-        request's accepted nodes per round at size s: the pooled rate's times its own scale. The
-        rounds a request needs spread with the rounds' luck (a renewal count: the variance of
-        tokens per round over the mean cubed, per token), and a batch of R requests ends with its
-        unluckiest, about z_R standard deviations past the mean (the expected largest of R normals):
-        so at one request trees win by their rate, at 32 only by a margin that covers the spread."""
-        ledger = self.state.ledger
-        nodes = ledger.tokens_of(known) - 1.0  # [S] accepted nodes per round, pooled
+    def _soonest_done(self, known: list[int], seconds: list[float], auto: list, caps: np.ndarray) -> tuple[int, bool]:
+        """The size (of `known`, 0 included) whose slowest request is expected to end first
+        (acceptance.slowest_rounds; a request's nodes per round are the pooled rate's times its own
+        scale), and whether the best tree ends within PROBE_MARGIN of plain steps (a probe may
+        show it pays)."""
         scale = np.array([(r.accepted_nodes + PRIOR_NODES) / (r.expected_nodes + PRIOR_NODES) for r in auto])
-        per_round = np.maximum(np.minimum(1.0 + scale[:, None] * nodes[None, :], caps[:, None]), 1.0)  # [R, S]
-        spread = np.sqrt(caps[:, None] * ledger.variance_of(known)[None, :] / per_round**3)  # [R, S] rounds
-        rounds = np.ceil(caps[:, None] / per_round + largest_normal(len(auto)) * spread).max(0)  # [S]: the slowest's
-        return known[int(np.argmin(rounds * np.asarray(seconds)))]  # ties to the smaller size
+        ends = slowest_rounds(self.state.ledger, known, scale, caps) * np.asarray(seconds)
+        trees = [i for i, s in enumerate(known) if s > 0]
+        close = 0 not in known or not trees or ends[trees].min() <= (1 + PROBE_MARGIN) * ends[known.index(0)]
+        return known[int(np.argmin(ends))], close  # ties to the smaller size
 
     def observe_step(self, bucket: int, size: int, seconds: float) -> None:
         """A real step of `size` at `bucket` took `seconds` of wall time: teach the correction how

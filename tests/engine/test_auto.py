@@ -275,11 +275,14 @@ def test_generate_leaves_nothing_behind_when_a_step_fails(models, monkeypatch):
     assert len(engine.generate(prompts(1, 12, seed=5), max_new_tokens=4)[0].token_ids) == 4
 
 
-def test_the_engine_teaches_the_sizer_what_its_steps_cost(models):
+@pytest.mark.parametrize("tree_cost", [2.0, 100.0])
+def test_the_engine_teaches_the_sizer_what_its_steps_cost(models, tree_cost):
     """An auto step's wall time reaches the sizer's correction when the step before it had the
-    same size (an interval after another size holds that step's tail), except the one whose
-    interval holds a prefill; fixed budgets and the cost measurement's stand-ins teach nothing."""
-    engine = engine_with(models, tree_cost=2.0)
+    same size (an interval after another size holds that step's tail; a plain step's, after two:
+    the host's work on a tree's tokens outlasts one), except the one whose interval holds a
+    prefill; fixed budgets and the cost measurement's stand-ins teach nothing. Trees at 2 plain
+    steps run trees; at 100, plain runs between probes."""
+    engine = engine_with(models, tree_cost=tree_cost)
     engine.sizer.correction = StepCorrection()
     batch = prompts(1, 12, seed=3)
     engine.generate(batch, max_new_tokens=NEW, mode="ddtree", budget=4)
@@ -288,8 +291,10 @@ def test_the_engine_teaches_the_sizer_what_its_steps_cost(models):
     out = engine.generate(batch, max_new_tokens=NEW)[0]
     exact = {key: count for key, (_, count) in engine.sizer.correction.ratios.items() if key[1] >= 0}
     sizes = out.stats.tree_sizes
-    steady = [now for before, now in zip(sizes, sizes[1:]) if before == now]  # the first read follows the prefill
+    # the first read follows the prefill; a plain step counts after two plain steps, a tree after one of its size
+    steady = [sizes[k] for k in range(1, len(sizes)) if sizes[k - 1] == sizes[k] and (sizes[k] or k >= 2 and sizes[k - 2] == 0)]
     assert sum(exact.values()) == len(steady) and 0 < len(steady) < len(sizes) - 1
+    assert (0 in sizes) == (tree_cost > 10)
     assert exact == {(1, s): steady.count(s) for s in set(steady)}
     assert {size for _, size in exact} <= set(out.stats.tree_sizes) and {b for b, _ in exact} == {1}
     # the table's costs are seconds, these steps milliseconds: every ratio clamps at its floor
@@ -313,8 +318,11 @@ def test_an_eager_round_or_a_capture_teaches_the_sizer_nothing(models):
     engine.worker.round = counted
     sizes = engine.generate(prompts(1, 12, seed=3), max_new_tokens=NEW)[0].stats.tree_sizes
     spoiled = irregular | {k - 1 for k in irregular}
-    steady = [sizes[k] for k in range(1, len(sizes)) if sizes[k - 1] == sizes[k]]  # round k read after round k - 1
-    kept = [sizes[k] for k in range(1, len(sizes)) if sizes[k - 1] == sizes[k] and k not in spoiled]
+    def steady(k):  # round k read after round k - 1 of its size (a plain step: after two)
+        return sizes[k - 1] == sizes[k] and (sizes[k] > 0 or k >= 2 and sizes[k - 2] == 0 and k - 1 not in spoiled)
+
+    kept = [sizes[k] for k in range(1, len(sizes)) if steady(k) and k not in spoiled]
+    steady = [sizes[k] for k in range(1, len(sizes)) if sizes[k - 1] == sizes[k]]
     assert len(kept) < len(steady)  # spoiled intervals were steady ones: the rule has something to leave out
     exact = {key: count for key, (_, count) in engine.sizer.correction.ratios.items() if key[1] >= 0}
     assert exact == {(1, s): kept.count(s) for s in set(kept)}

@@ -207,9 +207,9 @@ def test_plain_steps_never_seen_are_tried_in_a_burst_when_they_may_pay():
     table = costs({0: 1.0, 1: 1.6, 2: 1.7, 4: 1.8, 8: 2.0, 16: 2.5})
     sizer = taught(TreeSizer(SIZES, DEPTH, table, explore_every=1000, plain_every=10), [1, 2])
     request = FakeRequest()
-    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(12)]
+    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(9 + PLAIN_BURST)]
     assert sizes[:9] == [2] * 9 and sizes[9:] == [0] * PLAIN_BURST  # 3 tokens for 1.7 against 1 for 1
-    for _ in range(PLAIN_BURST - 1):
+    for _ in range(PLAIN_BURST - 2):  # the engine observes the burst's steps after its first two
         sizer.observe_step(1, 0, 1.0)
     assert sizer.correction.seen(1, 0)
     sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(79)]

@@ -99,8 +99,8 @@ class Engine(Stepping, OfflineGeneration):
         self.timer = StageTimer(self.device, time_stages)
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
-        # when the last round's result came back and its (bucket, size); None: after a gap
-        self._last_read: tuple[float, tuple[int, int]] | None = None
+        # when the last round's result came back, its (bucket, size), whether the one before had it; None: after a gap
+        self._last_read: tuple[float, tuple[int, int], bool] | None = None
         use = graphs_wanted(cuda_graphs, self.device, target.embed_tokens.weight.dtype)
         self.graphs = RoundGraphs(self.ctx, self.state, self.max_depth) if use else None
         self.worker = Worker(self.ctx, self.state, self.graphs, self.max_depth, prefill_chunk, relay)

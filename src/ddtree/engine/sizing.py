@@ -46,7 +46,7 @@ from .round import result_width
 from .sizer_state import HeldChoice, SizerState
 
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-PLAIN_BURST = 3  # plain steps in a row: the second and third teach the correction their cost
+PLAIN_BURST = 4  # plain steps in a row: the third and fourth teach the correction their cost
 HOLD_ROUNDS = 4  # a tree size chosen holds this many rounds while its batch stays as it was
 PROBE_MARGIN = 0.05  # a closed batch probes trees only while they are expected to end it at most 5% after plain steps
 PRIOR_NODES = 24.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 24 nodes

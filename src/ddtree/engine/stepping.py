@@ -109,7 +109,9 @@ class Stepping:
         result = flight.rows()  # the one wait for the device
         start = time.perf_counter()
         shape = (flight.plan.bucket, flight.plan.budget)
-        previous, self._last_read = self._last_read, (start, shape)
+        previous = self._last_read
+        steady = previous is not None and previous[1] == shape and not flight.irregular
+        self._last_read = (start, shape, steady)
         seconds = flight.timer.seconds()
         outputs, auto, slots = [], [], []
         for request in flight.requests:
@@ -129,8 +131,9 @@ class Stepping:
             self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
         # One step's wall time: this read since the last one, when both rounds had one shape. After
         # a step of another shape the interval also holds that step's tail and the switch; an
-        # eager round or a capture (CUDA graphs) is no step's cost either.
-        if auto and previous is not None and previous[1] == shape and not flight.irregular:
+        # eager round or a capture (CUDA graphs) is no step's cost either. A plain step needs two
+        # before it of its shape: the host's work on a tree's many tokens outlasts one plain step.
+        if auto and steady and (shape[1] > 0 or previous[2]):
             self.sizer.observe_step(*shape, start - previous[0])
         return outputs
 

@@ -81,8 +81,9 @@ def batch_requests(requests: list[Request], limits: PlanLimits, sizer, behind: i
         flush = features and any(r.pending_rows + 1 >= PENDING_ROWS for r in requests)
     else:
         flush = any(r.pending_rows > 0 for r in requests)
-    for r in requests:  # the host's count is an upper bound: a slot out of tokens sets nothing aside
-        r.pending_rows = 0 if flush else r.pending_rows + (budget == 0 and features)
+    if flush or (budget == 0 and features):  # the host's count is an upper bound: a slot out of tokens sets nothing aside
+        for r in requests:
+            r.pending_rows = 0 if flush else r.pending_rows + 1
     return RoundPlan(bucket=bucket, budget=budget, k=k if budget else 0, any_sampled=sampled, any_filtered=filtered,
                      key_limit=key_limit, features=features, experts=limits.moe, paths=paths,
                      flush=flush)

@@ -127,7 +127,7 @@ class Stepping:
                 auto.append(request)
                 slots.append(request.slot)  # before a finished request gives its slot up
             outputs.append(self._finish_or_stream(request, kept))
-        if auto and self.sizer.forced is None:
+        if auto and flight.plan.paths and self.sizer.forced is None:
             self.sizer.learn(auto, slots, flight.array(), flight.plan, self.moe_layers)
         # One step's wall time: this read since the last one, when both rounds had one shape. After
         # a step of another shape the interval also holds that step's tail and the switch; an

@@ -66,16 +66,24 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode(0)
         for w in caught:
             syncs[f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:60]}"] += 1
-        spans = defaultdict(list)
+        spans, switches = defaultdict(list), defaultdict(list)
         for before, now in zip(reads, reads[1:]):
             if before[1:3] == now[1:3] and not now[5] and not before[5]:
                 spans[(now[1], now[2], now[3], now[4], before[3], before[4])].append(now[0] - before[0])
+            elif before[1:3] != now[1:3]:
+                switches[(before[2], now[2])].append(now[0] - before[0])
         print(f"{config} at B = {args.batch}: wall {wall * 1e3:.0f} ms, {len(reads)} reads; intervals between reads of "
               f"one shape (bucket, size, features, flush, previous features, previous flush): median / p90 ms (count)")
         for key, values in sorted(spans.items(), key=lambda kv: -len(kv[1])):
             values.sort()
             print(f"  {key}: {statistics.median(values) * 1e3:.3f} / {values[int(0.9 * (len(values) - 1))] * 1e3:.3f} "
                   f"({len(values)})")
+        steady_ms = sum(map(sum, spans.values())) * 1e3
+        switch_ms = sum(map(sum, switches.values())) * 1e3
+        print(f"  steady intervals {steady_ms:.1f} ms in all; after a change of size {switch_ms:.1f} ms over "
+              f"{sum(map(len, switches.values()))} reads (size before -> after: median ms, count): "
+              + ", ".join(f"{a}->{b}: {statistics.median(v) * 1e3:.3f} ({len(v)})"
+                          for (a, b), v in sorted(switches.items(), key=lambda kv: -len(kv[1]))[:8]))
         if engine.sizer is not None:
             print("  correction:", {k: (round(r, 3), n) for k, (r, n) in sorted(engine.sizer.correction.ratios.items())})
         print("  synchronizing calls:", dict(syncs.most_common(8)) or "none reported", flush=True)

@@ -9,21 +9,18 @@ cProfile's functions by cumulative time (the host's view of each prefill).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "dev"))
 
 from ddtree import Engine  # noqa: E402
-from demo_step_profile import timed_parts  # noqa: E402
+from demo_step_profile import timed_parts, timed_run  # noqa: E402
 
 
 def main() -> None:
@@ -49,19 +46,9 @@ def main() -> None:
         mode, budget = config.split(",")
         engine.generate(ids, 128, mode=mode, budget=int(budget))
         for profiled in (False, True):
-            for k in spent:
-                spent[k] = 0.0
             admissions.clear()
-            profile = cProfile.Profile()
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            if profiled:
-                profile.enable()
-            engine.generate(ids, 128, mode=mode, budget=int(budget))
-            if profiled:
-                profile.disable()
-            wall = time.perf_counter() - start
+            wall, _, profile = timed_run(engine, spent, lambda: engine.generate(ids, 128, mode=mode, budget=int(budget)),
+                                         profiled)
             print(f"{config}{' (cProfile)' if profiled else ''}: wall {wall * 1e3:.0f} ms, admit {spent['admit'] * 1e3:.0f}, "
                   f"launch {spent['launch'] * 1e3:.0f}, collect {spent['collect'] * 1e3:.0f}; {len(admissions)} prefills "
                   f"of {sum(admissions)} prompts (admit per prefill {spent['admit'] * 1e3 / max(1, len(admissions)):.2f} ms)",

@@ -38,6 +38,23 @@ def timed_parts(engine):
     return spent
 
 
+def timed_run(engine, spent: dict, run, profiled: bool):
+    """(wall seconds, run()'s result, the cProfile.Profile or None) of one call of `run`, with the
+    step parts in `spent` (timed_parts) zeroed first and the device idle at the start."""
+    for k in spent:
+        spent[k] = 0.0
+    profile = cProfile.Profile() if profiled else None
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if profile:
+        profile.enable()
+    result = run()
+    if profile:
+        profile.disable()
+    return time.perf_counter() - start, result, profile
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=8)
@@ -58,20 +75,10 @@ def main() -> None:
         engine.sizer.forced = int(forced) if forced else None
         engine.generate(prompts, 128, mode=mode, budget=budget)
         for profiled in (False, True):  # the wall time without cProfile's cost, then where it goes
-            for k in spent:
-                spent[k] = 0.0
             graphs = engine.graphs
             eager, replays = (graphs.eager_rounds, graphs.replays) if graphs else (0, 0)
-            profile = cProfile.Profile()
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            if profiled:
-                profile.enable()
-            outs = engine.generate(prompts, 128, mode=mode, budget=budget)
-            if profiled:
-                profile.disable()
-            wall = time.perf_counter() - start
+            wall, outs, profile = timed_run(engine, spent, lambda: engine.generate(prompts, 128, mode=mode, budget=budget),
+                                            profiled)
             rounds = sum(o.stats.rounds for o in outs)
             gpu = sum(sum(v for k, v in o.stats.stage_seconds.items() if k != "prefill") for o in outs)
             line = (f"{config}{' (cProfile)' if profiled else ''}: wall {wall * 1e3:.0f} ms, admit {spent['admit'] * 1e3:.0f}, "

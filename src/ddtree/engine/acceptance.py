@@ -49,9 +49,9 @@ class AcceptanceLedger:
         self.hits[1 : v + 1] *= self.decay
         self.seen[1 : v + 1] *= self.decay
         self.seen[1 : v + 1] += len(accepted)
-        np.add.at(self.hits, nodes[on_path], 1.0)
         flat = np.nonzero(on_path)[0] * (v + 1) + nodes[on_path]  # (request, node) of each accepted node
         counts = np.bincount(flat, minlength=len(accepted) * (v + 1)).reshape(len(accepted), v + 1)
+        self.hits[1 : v + 1] += counts[:, 1:].sum(0)
         tokens = 1.0 + np.cumsum(counts[:, 1:], 1)  # [R, v]: what a round of 1 .. v nodes would have committed
         self.squares[1 : v + 1] = self.squares[1 : v + 1] * self.decay + (tokens * tokens).sum(0)
         self.frontier = max(self.frontier, v)

@@ -49,7 +49,7 @@ for part in "$@"; do
         | tee "$out/serve_vs_engine.log" | grep -v "^|" | tail -24 ;;
     intervals) for b in ${INTERVAL_B:-1 32}; do python3 dev/step_intervals.py --batch $b --prompts $((2 * b > 16 ? 2 * b : 16)) --configs ar ddtree,8 ddtree,auto; done 2>&1 \
                  | grep -v "measuring round costs" | tee "$out/step_intervals.log" ;;
-    admission) python3 dev/admission_profile.py --batch 32 --prompts 120 2>&1 | tee "$out/admission_profile.log" \
+    admission) python3 dev/admission_profile.py --batch 32 --prompts 120 ${ADMISSION_ARGS:-} 2>&1 | tee "$out/admission_profile.log" \
                  | grep -E "wall|prefill|admit" | head -40 ;;
     one) timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA $ONE 2>&1 | tail -15 ;;
     sync) python3 dev/scalar_write_sync.py 2>&1 | tee "$out/scalar_write_sync.log" ;;

@@ -1,9 +1,11 @@
 """Host microseconds of an engine step, device work left out: the demo pair's engine on the CPU
-with its rounds replaced by a canned result (every slot commits one token), so what is timed is
-the host's part of a step (plan, sizer, launch bookkeeping, commit, detokenize, stream) for `ar`
-and for budget="auto" on plain steps (a cost table in which trees never pay).
+with its rounds replaced by a canned result (a plain step commits one token, a tree round
+--accepted tokens along its first nodes), so what is timed is the host's part of a step (plan,
+sizer, launch bookkeeping, commit, detokenize, stream): `ar` beside budget="auto" on plain steps (a
+cost table in which trees never pay), ddtree 8 beside budget="auto" on trees (a table in which
+size 8 pays most).
 
-    python dev/host_step_cost.py --batch 8 32
+    python dev/host_step_cost.py --batch 1 8 32
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import cProfile
 import pstats
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -25,35 +28,47 @@ from ddtree.engine.costs import RoundCosts  # noqa: E402
 from ddtree.engine.round import result_width  # noqa: E402
 
 
-def canned_rounds(engine: Engine):
+def canned_rounds(engine: Engine, accepted: int):
     def round_(table, plan, timer=None):
         width = result_width(engine.max_depth, engine.moe_layers if plan.experts else 0, plan.paths)
         result = torch.full((plan.bucket, width), -1, dtype=torch.int64)
-        result[:, 0], result[:, 1] = 1, 7
+        commits = 1 if plan.budget == 0 else accepted
+        result[:, 0] = commits
+        result[:, 1 : 1 + commits] = 7
         if plan.experts:
             result[:, 2 + engine.max_depth : 2 + engine.max_depth + engine.moe_layers] = 2
         if plan.paths:
-            result[:, width - engine.max_depth - 1] = 0
+            first = width - engine.max_depth - 1
+            result[:, first : first + commits] = torch.arange(commits)
         return result
     return round_
+
+
+def cost_table(engine: Engine, batch: int, trees_pay: bool) -> RoundCosts:
+    """Seconds per step by bucket and size: plain steps cheap, or size 8 the cheapest tree by far."""
+    def cost(size: int) -> float:
+        if trees_pay:
+            return 1e-3 if size == 8 else 1.0
+        return 1e-3 if size == 0 else 1.0
+    return RoundCosts(engine.signature, {b: {s: cost(s) for s in engine.sizer.sizes} for b in (1, 2, 4, 8, 16, 32)
+                                         if b <= batch})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--accepted", type=int, default=4, help="tokens a canned tree round commits")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     for batch in args.batch:
         engine = Engine.from_pretrained(device="cpu", max_batch=batch, max_budget=64, kept_costs="off")
-        sizes = engine.sizer.sizes
-        engine.sizer.costs = RoundCosts(engine.signature, {b: {s: 1e-3 if s == 0 else 1.0 for s in sizes}
-                                                           for b in (1, 2, 4, 8, 16, 32) if b <= batch})
-        engine.worker.round = canned_rounds(engine)
-        for mode in ("ar", "auto", "ar", "auto"):
-            params = SamplingParams(max_new_tokens=args.steps + 50, ignore_eos=True)
+        engine.worker.round = canned_rounds(engine, args.accepted)
+        for mode in ("ar", "auto", "ddtree8", "auto-trees") * 2:
+            engine.sizer.costs = cost_table(engine, batch, trees_pay=mode == "auto-trees")
+            params = SamplingParams(max_new_tokens=args.accepted * (args.steps + 50), ignore_eos=True)
             ids = [engine.add_request([5 + i, 9, 11], params, mode="ar" if mode == "ar" else "ddtree",
-                                      budget=1 if mode == "ar" else "auto") for i in range(batch)]
+                                      budget={"ar": 1, "ddtree8": 8}.get(mode, "auto")) for i in range(batch)]
             for _ in range(20):
                 engine.step()
             profile = cProfile.Profile() if args.profile else None
@@ -65,10 +80,11 @@ def main() -> None:
             if profile:
                 profile.disable()
             seconds = (time.perf_counter() - start) / args.steps
+            sizes = Counter(s for request_id in ids for s in engine._requests[request_id].stats.tree_sizes[-args.steps:])
             for request_id in ids:
                 engine.abort(request_id)
             engine.drain()
-            print(f"B = {batch} {mode:5s}: {seconds * 1e6:.1f} us of host time a step", flush=True)
+            print(f"B = {batch} {mode:10s}: {seconds * 1e6:.1f} us of host time a step (sizes {dict(sizes)})", flush=True)
             if profile:
                 pstats.Stats(profile).sort_stats("tottime").print_stats(12)
 

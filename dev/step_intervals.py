@@ -57,17 +57,25 @@ def main() -> None:
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         start = time.perf_counter()
+        calls = []  # (start, first read index, end) of each generate call
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for group in groups:
+                calls.append((time.perf_counter(), len(reads)))
                 engine.generate(group, 128, mode=mode, budget=budget)
+                calls[-1] += (time.perf_counter(), len(reads))
         wall = time.perf_counter() - start
         if cuda:
             torch.cuda.set_sync_debug_mode(0)
         for w in caught:
             syncs[f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:60]}"] += 1
         spans, switches = defaultdict(list), defaultdict(list)
-        for before, now in zip(reads, reads[1:]):
+        first = [reads[i][0] - t0 for t0, i, _, j in calls if j > i]  # start to first read (admit, prefill)
+        last = [t1 - reads[j - 1][0] for _, i, t1, j in calls if j > i]  # last read to the call's end
+        starts = {i for _, i, _, _ in calls}
+        for k, (before, now) in enumerate(zip(reads, reads[1:])):
+            if k + 1 in starts:
+                continue  # across two calls: the next call's admission and prefill lie between
             if before[1:3] == now[1:3] and not now[5] and not before[5]:
                 spans[(now[1], now[2], now[3], now[4], before[3], before[4])].append(now[0] - before[0])
             elif before[1:3] != now[1:3]:
@@ -80,6 +88,9 @@ def main() -> None:
                   f"({len(values)})")
         steady_ms = sum(map(sum, spans.values())) * 1e3
         switch_ms = sum(map(sum, switches.values())) * 1e3
+        print(f"  per call ({len(calls)}): start to first read {sum(first) * 1e3:.1f} ms in all (median "
+              f"{statistics.median(first) * 1e3:.2f}), last read to end {sum(last) * 1e3:.1f} ms (median "
+              f"{statistics.median(last) * 1e3:.2f})")
         print(f"  steady intervals {steady_ms:.1f} ms in all; after a change of size {switch_ms:.1f} ms over "
               f"{sum(map(len, switches.values()))} reads (size before -> after: median ms, count): "
               + ", ".join(f"{a}->{b}: {statistics.median(v) * 1e3:.3f} ({len(v)})"

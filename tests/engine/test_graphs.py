@@ -162,3 +162,26 @@ def test_a_given_cost_table_still_captures_auto_rounds_before_the_first_request(
     outs = engine.generate(prompts(4, 48, seed=5), 60, budget="auto")
     assert all(len(o.token_ids) == 60 for o in outs)
     assert engine.graphs.eager_rounds == eager, dict(engine.graphs.eager_plans)
+
+
+@pytest.mark.cuda
+def test_prompts_admitted_alone_replay_prefill_graphs(tmp_path):
+    """Continuous batching admits a finished request's successor alone: its prefill is padded to a
+    row bucket and replayed from a graph (eager at a bucket's first prefill, captured at its
+    second), and commits what the engine without graphs commits (which prefills the same padded
+    shapes eagerly); greedy and sampled."""
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    kwargs = dict(device="cuda", dtype=torch.bfloat16, page_size=16, max_batch=2, stop_token_ids=())
+    eager = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=False, **kwargs)
+    graphed = Engine.from_pretrained(target_dir, drafter_dir, cuda_graphs=True, **kwargs)
+    batch = prompts(9, 96, seed=4, lengths=(3, 40))  # row buckets 16, 32 and 64
+    lengths = [6 + 4 * (i % 3) for i in range(len(batch))]
+    for temperature in (0.0, 1.0):
+        seeds = list(range(len(batch)))
+        want = eager.generate(batch, max_new_tokens=lengths, mode="ddtree", budget=8, temperature=temperature, seed=seeds)
+        got = graphed.generate(batch, max_new_tokens=lengths, mode="ddtree", budget=8, temperature=temperature, seed=seeds)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], temperature
+    used, unused = graphed.worker.prefill_graphs, eager.worker.prefill_graphs
+    assert used.captures >= 2 and used.replays >= 4 and used.eager_prefills == len(used._seen)
+    assert unused.captures == 0 and unused.replays == 0 and unused.eager_prefills == 2 * len(batch)
+    assert graphed.blocks.num_free == graphed.blocks.num_pages

@@ -1,7 +1,9 @@
 """engine.prefill over several chunks writes the cache entries, feeds the drafter the context and
 chooses the first tokens of the same prefill in one chunk, for a batch of mixed prompt lengths on
 shuffled pages poisoned with NaN; and those are the plain causal forward's (the model-level
-prefill form is checked against the verify form in tests/models/test_paged_prefill.py)."""
+prefill form is checked against the verify form in tests/models/test_paged_prefill.py). A prompt
+prefilled alone padded to its row bucket (what the prefill graphs replay) does the same and
+touches no other slot."""
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ pytest.importorskip("transformers")
 
 from ddtree.engine.batch import BatchState, SlotSettings  # noqa: E402
 from ddtree.engine.prefill import prefill  # noqa: E402
+from ddtree.engine.prefill_graphs import PrefillGraphs, row_buckets  # noqa: E402
 from ddtree.engine.round import RoundContext  # noqa: E402
 from ddtree.models import load_drafter, load_target  # noqa: E402
 
@@ -27,7 +30,8 @@ def models(tmp_path_factory):
     return target, load_drafter(drafter_dir, target)
 
 
-def _run(target, drafter, prompts, chunk):
+def _run(target, drafter, prompts, chunk, fill=None):
+    """fill(ctx, state, caches): another way to prefill SLOTS with prompts (default engine.prefill)."""
     pages = len(SLOTS) * PAGES_EACH + 2  # 2 spare pages; the scratch page comes after them
     caches = target.new_cache(pages, PAGE)
     for cache in caches:
@@ -39,7 +43,10 @@ def _run(target, drafter, prompts, chunk):
         state.block_table[slot] = table.int()
     ctx = RoundContext(target, drafter, caches, PAGE, pages, drafter.cfg.target_layer_ids, target.cfg.n_routed_experts)
     with torch.no_grad():
-        first = prefill(ctx, state, SLOTS, prompts, chunk, any_sampled=False, any_filtered=False)
+        if fill is None:
+            first = prefill(ctx, state, SLOTS, prompts, chunk, any_sampled=False, any_filtered=False)
+        else:
+            first = fill(ctx, state, caches)
     return first, caches, state
 
 
@@ -74,3 +81,58 @@ def test_chunks_equal_one_prefill_and_the_plain_forward(models):
         assert int(first[i]) == int(logits[0, -1].argmax())
         for got_layer, want_layer in zip(ctx.keys + ctx.values, alone.keys + alone.values):
             torch.testing.assert_close(got_layer[slot, : len(prompt)], want_layer[0, : len(prompt)], rtol=1e-4, atol=1e-5)
+
+
+def test_row_buckets_hold_the_longest_prompt():
+    assert row_buckets(1) == [16] and row_buckets(16) == [16]
+    assert row_buckets(17) == [16, 32] and row_buckets(512) == [16, 32, 64, 128, 256, 512]
+
+
+def test_prompts_one_by_one_padded_to_a_bucket_equal_one_prefill(models):
+    """PrefillGraphs without a pool (a CUDA engine without graphs; with them the same work is
+    replayed): each prompt alone, padded to 16 rows, gives the batch prefill's first tokens, cache
+    entries and drafter context, and leaves every other slot's entries as they were (padding rows
+    write only the scratch page)."""
+    target, drafter = models
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in LENGTHS]
+    want_first, want_caches, want_state = _run(target, drafter, prompts, max(LENGTHS))
+
+    def one_by_one(ctx, state, caches):
+        graphs = PrefillGraphs(ctx, state, None, largest=max(LENGTHS))
+        assert graphs.buckets == [16] and graphs.covers(prompts)
+        firsts = []
+        for i, (slot, prompt) in enumerate(zip(SLOTS, prompts)):
+            before = [cache.clone() for cache in caches]
+            firsts.append(graphs.prefill([slot], [prompt], False, False))
+            mine = torch.zeros(caches[0].shape[:2], dtype=torch.bool)
+            for t in range(len(prompt)):
+                mine[state.block_table[slot, t // PAGE], t % PAGE] = True
+            mine[-1] = True  # the scratch page
+            for cache, old in zip(caches, before):
+                torch.testing.assert_close(cache[~mine], old[~mine], rtol=0, atol=0, equal_nan=True)
+        assert graphs.eager_prefills == len(prompts) and graphs.replays == 0
+        return torch.cat(firsts)
+
+    first, caches, state = _run(target, drafter, prompts, CHUNK, fill=one_by_one)
+    assert torch.equal(first, want_first)
+    assert torch.equal(state.bonus, want_state.bonus) and torch.equal(state.prefix_lens, want_state.prefix_lens)
+    for cache, want in zip(caches, want_caches):
+        written = ~want[:-1].isnan().all(-1)
+        assert torch.equal(~cache[:-1].isnan().all(-1), written)
+        torch.testing.assert_close(cache[:-1][written], want[:-1][written], rtol=1e-5, atol=1e-5)
+    ctx, want_ctx = state.drafter, want_state.drafter
+    assert torch.equal(ctx.lengths, want_ctx.lengths)
+    for got_layer, want_layer in zip(ctx.keys + ctx.values, want_ctx.keys + want_ctx.values):
+        for slot, n in zip(SLOTS, LENGTHS):
+            torch.testing.assert_close(got_layer[slot, :n], want_layer[slot, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_an_admission_of_many_prompts_or_a_long_one_is_not_taken_one_by_one(models):
+    target, drafter = models
+    state = BatchState(5, PAGES_EACH, torch.device("cpu"), drafter, drafter_capacity=20)
+    ctx = RoundContext(target, drafter, target.new_cache(4, PAGE), PAGE, 4, drafter.cfg.target_layer_ids,
+                       target.cfg.n_routed_experts)
+    graphs = PrefillGraphs(ctx, state, None, largest=12)
+    assert graphs.covers([[1] * 12] * 4)
+    assert not graphs.covers([[1] * 13]) and not graphs.covers([[1]] * 5)

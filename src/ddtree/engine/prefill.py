@@ -49,9 +49,31 @@ def prefill(ctx: RoundContext, state: BatchState, slots: list[int], prompts: lis
                 last_logits[i] = logits[j, 0]
     logits = torch.stack(last_logits)[:, None]  # [B, 1, V]
     slot_ids = to_device(slots, torch.int64, device)
-    positions = to_device(lengths, torch.int64, device)[:, None]  # the first new token's position
+    return first_tokens(state, slot_ids, logits, to_device(lengths, torch.int64, device), any_sampled, any_filtered)
+
+
+def prefill_from_start(ctx: RoundContext, state: BatchState, slot_ids: torch.Tensor, ids: torch.Tensor,
+                       lengths: torch.Tensor, *, any_sampled: bool, any_filtered: bool) -> torch.Tensor:
+    """Whole prompts in one chunk from position 0, from device tensors alone (static shapes, no
+    host read: engine/prefill_graphs.py captures it). ids int64 [P, R] (row n >= lengths[p] is
+    padding, written to the scratch page), slot_ids int64 [P], lengths int32 [P] (1 .. R).
+    Returns the first tokens int64 [P] (also the slots' bonus), as prefill does."""
+    meta = PrefillMeta.from_start(state.block_table[slot_ids], lengths, ids.shape[1], page_size=ctx.page_size,
+                                  scratch_page=ctx.scratch_page)
+    layers = ctx.feature_layers if ctx.drafter is not None else ()
+    logits, hidden = ctx.target.forward_paged(ids, meta, ctx.caches, layers, logit_rows=(lengths - 1).long())
+    if ctx.drafter is not None:
+        ctx.drafter.append_context(state.drafter, torch.cat(hidden, -1), lengths.long(), check=False, rows=slot_ids)
+    return first_tokens(state, slot_ids, logits, lengths.long(), any_sampled, any_filtered)
+
+
+def first_tokens(state: BatchState, slot_ids: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor,
+                 any_sampled: bool, any_filtered: bool) -> torch.Tensor:
+    """The target's choice after each prompt's last row (logits float32 [P, 1, V], lengths int64
+    [P]: the first new token's position), stored as the slots' bonus; int64 [P]."""
+    positions = lengths[:, None]
     first = choose_tokens(logits, positions, state.temperature[slot_ids], state.top_k[slot_ids], state.top_p[slot_ids],
                           state.seed[slot_ids], any_sampled=any_sampled, any_filtered=any_filtered)[:, 0]
-    state.prefix_lens[slot_ids] = positions[:, 0].int()
+    state.prefix_lens[slot_ids] = lengths.int()
     state.bonus[slot_ids] = first
     return first

@@ -14,6 +14,7 @@ import torch
 from .batch import BatchState, SlotSettings
 from .graphs import RoundGraphs
 from .prefill import prefill
+from .prefill_graphs import PrefillGraphs
 from .round import RoundContext, RoundPlan, run_round
 from .timing import StageTimer
 
@@ -25,6 +26,12 @@ class Worker:
         self.ctx, self.state, self.graphs = ctx, state, graphs
         self.max_depth, self.prefill_chunk, self.relay = max_depth, prefill_chunk, relay
         self.device = state.device
+        # On CUDA the prompts of a small admission are prefilled one by one, each padded to a row
+        # bucket and replayed from a graph where the rounds have graphs. INT4 experts' many-row path reads the chosen experts back to
+        # the host, which no graph holds.
+        capturable = graphs is not None and ctx.target.cfg.int4_experts is None
+        self.prefill_graphs = (PrefillGraphs(ctx, state, graphs.pool if capturable else None, prefill_chunk)
+                               if self.device.type == "cuda" else None)
 
     def _send(self, op: str, *args) -> None:
         if self.relay is not None:
@@ -45,6 +52,8 @@ class Worker:
         `slots` (engine/prefill.py); returns the first tokens int64 [len(slots)] on the device."""
         self._send("prefill", table, slots, prompts, sampled, filtered)
         self.state.block_table.copy_(self._pinned(table), non_blocking=True)
+        if self.prefill_graphs is not None and self.prefill_graphs.covers(prompts):
+            return self.prefill_graphs.prefill(slots, prompts, sampled, filtered)
         return prefill(self.ctx, self.state, slots, prompts, self.prefill_chunk, any_sampled=sampled,
                        any_filtered=filtered)
 

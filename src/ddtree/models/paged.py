@@ -162,6 +162,20 @@ class PrefillMeta:
         return cls(prefix, valid, positions, slot_mapping(block_table, prefix, valid, rows, page_size, scratch_page),
                    key_slots, written, mask)
 
+    @classmethod
+    def from_start(cls, block_table: torch.Tensor, num_rows: torch.Tensor, rows: int, *, page_size: int,
+                   scratch_page: int) -> "PrefillMeta":
+        """A chunk at position 0 of every request, from device values alone (a CUDA graph captures
+        it): block_table int32 [B, max_pages], num_rows int32 [B] (each <= rows). Every key is
+        masked by key_written (the same work whatever the lengths); L = N, so SDPA's is_causal."""
+        batch, device = num_rows.shape[0], num_rows.device
+        prefix = torch.zeros_like(num_rows)
+        positions = torch.arange(rows, device=device).repeat(batch, 1)  # [B, N]: row n at position n
+        written = positions < num_rows.long()[:, None]
+        key_slots = cache_slots(block_table, prefix, positions, written, page_size, scratch_page)
+        return cls(prefix, num_rows, positions, slot_mapping(block_table, prefix, num_rows, rows, page_size, scratch_page),
+                   key_slots, written, None)
+
 
 def gather_entries(cache: torch.Tensor, meta: PrefillMeta) -> torch.Tensor:
     """cache [num_pages, page_size, D] -> entries [B, L, D] of slots 0 .. L - 1 of each request,

@@ -151,7 +151,7 @@ def serving_batch(device: str | None) -> int:
 def check_before_loading(args) -> str | None:
     """What is wrong with the arguments that needs no model to find (the device, the directories,
     a budget past --max-budget), as one line; None when nothing is."""
-    device = args.device
+    device = getattr(args, "device", None)
     if device is not None:
         from .engine.loading import resolve_device
 
@@ -160,7 +160,7 @@ def check_before_loading(args) -> str | None:
         except ValueError as err:
             return f"--{err}"  # "device x: ..." becomes "--device x: ...", naming the flag
     ranks = getattr(args, "tensor_parallel", 1)
-    if ranks > 1:
+    if ranks > 1 and getattr(args, "gpu_memory", None) is None:  # plan --gpu-memory: for another machine
         import torch
 
         on_cuda = device is None and torch.cuda.is_available() or device is not None and device.startswith("cuda")
@@ -188,6 +188,18 @@ def cache_line(engine) -> str:
     requests = f"{engine.max_batch} request" + ("s" if engine.max_batch > 1 else "")
     return (f"KV cache of {pages} pages x {size} slots ({pages * size} tokens, {mib:.0f} MiB) for up to "
             f"{requests} of {engine.max_model_len} tokens")
+
+
+def weights_line(engine) -> str:
+    """What the weights take on each device, for the start-up line after cache_line's."""
+    from .parallel.memory_plan import parameter_bytes, readable
+
+    dtype = engine.target.embed_tokens.weight.dtype
+    world = engine.target.shard.world
+    where = f" on each of {world} ranks" if world > 1 else ""
+    target = readable(sum(parameter_bytes(engine.target, dtype).values()))
+    drafter = "" if engine.drafter is None else f", drafter {readable(sum(parameter_bytes(engine.drafter, dtype).values()))}"
+    return f"weights: target {target}{where}{drafter} (ddtree plan computes this before loading)"
 
 
 def load_engine(args, **engine_args):

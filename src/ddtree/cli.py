@@ -1,5 +1,6 @@
 """`ddtree generate`: stream completions from a target + drafter pair, then their statistics;
-`ddtree profile`: measure the pair's round costs into a JSON table (`--round-costs`)."""
+`ddtree profile`: measure the pair's round costs into a JSON table (`--round-costs`); `ddtree plan`:
+how the pair fits on N GPUs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 from pathlib import Path
 
 from .arguments import (Parser, UsageError, add_pair_arguments, at_least_zero, at_least_zero_int, budget,
-                        cache_line, check_before_loading, load_engine, positive, probability, seed, stop_string)
+                        cache_line, check_before_loading, load_engine, positive, probability, seed, stop_string,
+                        weights_line)
 
 MEASURED_LENGTH = 1024  # what the round-cost stand-ins run in (engine/profiling.py: 256 + 657 tokens)
 STAGE_ORDER = ("prefill", "draft", "topk", "build", "verify", "accept", "commit", "round")
@@ -22,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="ddtree", description="DDTree speculative decoding for MLA mixture-of-experts models.")
     parser.add_argument("--version", action="version", version=f"ddtree {__version__}")
-    commands = parser.add_subparsers(dest="command", parser_class=Parser, metavar="{generate,serve,profile}")
+    commands = parser.add_subparsers(dest="command", parser_class=Parser, metavar="{generate,serve,profile,plan}")
     gen = commands.add_parser("generate", help="complete prompts, streaming the text as it is committed")
     gen.add_argument("prompts", nargs="+", help="prompt texts (tokenized with the target's tokenizer); - reads "
                      "one prompt from standard input (its final newline dropped), or one per line with --lines")
@@ -43,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=positive(int), default=128, help="tokens to generate per prompt")
     gen.add_argument("--stop", type=stop_string, action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    from .plan_command import add_plan_command
     from .profile_command import add_profile_command
     from .server.command import add_serve_command
 
     add_serve_command(commands)
     add_profile_command(commands)
+    add_plan_command(commands)
     parser.epilog = "Errors are one line on stderr; DDTREE_TRACEBACK=1 shows the traceback instead."
     parser.commands = commands.choices  # name -> its parser: unrecognized flags are named against it
     return parser
@@ -104,6 +108,7 @@ def generate(args) -> None:
         except ValueError as err:  # too long for --max-model-len, say: the user's to fix
             raise UsageError(f"prompt {number}: {err}") from None
     print(f"ddtree: {cache_line(engine)}", file=sys.stderr, flush=True)  # after the prompts passed their checks
+    print(f"ddtree: {weights_line(engine)}", file=sys.stderr, flush=True)
     # All prompts run as one batch; the text streams in prompt order (later prompts are shown
     # from a buffer once the ones before them have finished).
     buffered = {rid: "" for rid in ids}
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"ddtree {args.command}: error: --drafter needs --target DIR (without both: the demo pair)\n")
         return 2
     mode = getattr(args, "mode", "ddtree")  # profile has none: it needs the drafter
-    if args.target is not None and mode != "ar" and args.drafter is None:
+    if args.target is not None and mode != "ar" and args.drafter is None and args.command != "plan":
         if args.command == "profile":
             sys.stderr.write("ddtree profile: error: profiling measures tree rounds: name --drafter DIR with --target\n")
         else:
@@ -259,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             from .profile_command import profile
 
             profile(args)
+        elif args.command == "plan":
+            from .plan_command import plan
+
+            plan(args)
     except KeyboardInterrupt:
         return 130
     except UsageError as err:  # the user's to fix, found past argument parsing: as argparse's own

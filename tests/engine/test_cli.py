@@ -186,7 +186,13 @@ def test_generate_sizes_its_cache_to_the_prompts(pair, capsys):
     common = ["generate", "--target", target, "--drafter", drafter, "--device", "cpu", "--json", "--page-size", "8",
               "--max-budget", "8", "--max-new-tokens", "4"]
     assert main([*common, "a", "bc", "d"]) == 0
-    line = capsys.readouterr().err.splitlines()[0]
+    line, weights = capsys.readouterr().err.splitlines()[:2]
+    from ddtree.models import load_drafter, load_target
+
+    models = load_target(target, dtype=torch.float32)
+    mib = [sum(p.numel() * 4 for p in m.parameters()) / 2**20 for m in (models, load_drafter(drafter, models))]
+    assert weights == (f"ddtree: weights: target {mib[0]:.1f} MiB, drafter {mib[1]:.1f} MiB "
+                       "(ddtree plan computes this before loading)")
     width = -(-(min(1024, limit) + 8 + 1) // 8)  # pages a request may need: its length and one verify
     assert line == (f"ddtree: KV cache of {3 * width} pages x 8 slots ({3 * width * 8} tokens, "
                     f"{line.split('tokens, ')[1].split(' MiB')[0]} MiB) for up to 3 requests of {min(1024, limit)} tokens")

@@ -20,13 +20,13 @@ import torch
 from ..models import Drafter, Target
 from ..ops.policy import KernelPolicy
 from ..tree.types import MAX_TRITON_BUDGET
-from .batch import PENDING_ROWS, BatchState
+from .batch import BatchState
 from .costs import RoundCosts, pair_signature
 from .generate import OfflineGeneration
 from .graphs import RoundGraphs, graphs_wanted
 from .inflight import Flight
 from .kept_costs import keep_table, kept_table
-from .loading import default_num_pages, load_pair, resolve_device
+from .loading import default_num_pages, drafter_capacity, load_pair, resolve_device
 from .pages import BlockManager, KVCacheFull, pages_for
 from .profiling import buckets_up_to, prepare_auto_rounds
 from .request import Request, RequestOutput, node_limit_for
@@ -87,9 +87,7 @@ class Engine(Stepping, OfflineGeneration):
         num_pages = target.shard.agree(num_pages or default_num_pages(target, page_size, max_batch * width, self.device))
         self.blocks = BlockManager(num_pages, page_size, max_batch, width)
         self.caches = target.new_cache(num_pages, page_size)
-        # A request's last round may commit D tokens past max_model_len - 1, and with overlap the
-        # round after it still drafts a block there before the host has seen it finish.
-        capacity = self.max_model_len + max(prefill_chunk, 2 * (self.max_depth + 1), self.max_depth + 1 + PENDING_ROWS)
+        capacity = drafter_capacity(self.max_model_len, prefill_chunk, self.max_depth)
         self.state = BatchState(max_batch, width, self.device, drafter, capacity)
         moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.ctx = RoundContext(target, drafter, self.caches, page_size, num_pages,

@@ -9,6 +9,9 @@ import torch
 
 from ..ops.policy import KernelPolicy
 from ..parallel.shard import SINGLE, Shard
+from .batch import PENDING_ROWS
+
+KV_MEMORY_FRACTION = 0.85  # of the free memory after the weights: the rest is left to activations and graphs
 
 
 def load_pair(target_dir: str | Path, drafter_dir: str | Path | None, device=None, dtype: torch.dtype | None = None,
@@ -75,15 +78,31 @@ def stop_token_ids(path: str | Path, tokenizer=None) -> tuple[int, ...]:
 
 
 def default_num_pages(target, page_size: int, max_pages_useful: int, device: torch.device,
-                      memory_fraction: float = 0.85, cpu_bytes: int = 2 << 30) -> int:
+                      memory_fraction: float = KV_MEMORY_FRACTION, cpu_bytes: int = 2 << 30) -> int:
     """Pages for the latent cache: at most what max_batch full-length requests can use; on CUDA,
     memory_fraction of the free memory (after weights), on the CPU at most cpu_bytes."""
-    cfg = target.cfg
     element = target.embed_tokens.weight.element_size()
-    page_bytes = cfg.num_hidden_layers * page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * memory_fraction)
     else:
-        budget = cpu_bytes
-    return max(1, min(max_pages_useful, budget // page_bytes - 1))  # one page is the scratch page
+        free, memory_fraction = cpu_bytes, 1.0
+    return pages_that_fit(kv_page_bytes(target.cfg, page_size, element), free, max_pages_useful, memory_fraction)
+
+
+def kv_page_bytes(cfg, page_size: int, element: int) -> int:
+    """Bytes of one page of the latent cache over every layer (each rank holds it whole)."""
+    return cfg.num_hidden_layers * page_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element
+
+
+def pages_that_fit(page_bytes: int, free_bytes: int, max_pages_useful: int,
+                   memory_fraction: float = KV_MEMORY_FRACTION) -> int:
+    """KV pages in memory_fraction of free_bytes, at most max_pages_useful, at least 1 (one more
+    page is the scratch page)."""
+    return max(1, min(max_pages_useful, int(free_bytes * memory_fraction) // page_bytes - 1))
+
+
+def drafter_capacity(max_model_len: int, prefill_chunk: int, max_depth: int) -> int:
+    """Entries of each request's drafter context: a request's last round may commit D tokens past
+    max_model_len - 1, and with overlap the round after it still drafts a block there before the
+    host has seen it finish; a prefill chunk or the rows plain steps set aside may come on top."""
+    return max_model_len + max(prefill_chunk, 2 * (max_depth + 1), max_depth + 1 + PENDING_ROWS)

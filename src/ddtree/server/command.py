@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..arguments import add_pair_arguments, budget, cache_line, load_engine, positive, serving_batch
+from ..arguments import (add_pair_arguments, budget, cache_line, load_engine, positive, serving_batch,
+                         weights_line)
 from .auth import ENV_VAR, api_keys
 from .listening import listen, urls
 
@@ -136,6 +137,7 @@ def load_for_serving(args):
     leave_a_core_to_the_server(resolve_device(args.device))
     engine = load_engine(args, round_costs=args.round_costs, kept_costs="fresh" if args.fresh_costs else "use")
     print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
+    print(f"ddtree serve: {weights_line(engine)}", file=sys.stderr, flush=True)
     if engine.sizer is None:
         return engine
     start = time.perf_counter()

@@ -111,14 +111,19 @@ def test_the_ledger_equals_the_accept_walk_of_every_smaller_tree(kind):
         if torch.rand(1, generator=gen).item() < 0.8:
             posterior[b, parent] = per_node[b, kids[int(torch.randint(0, len(kids), (1,), generator=gen))]]
     accepted, accept_len, _ = accept_paths(full, posterior, backend="reference")
-    ledger = AcceptanceLedger(budget, memory=float("inf"))
+    ledger, at_once = AcceptanceLedger(budget, memory=float("inf")), AcceptanceLedger(budget, memory=float("inf"))
     for b in range(batch):
         ledger.observe(accepted[b : b + 1].numpy(), accept_len[b : b + 1].numpy(), budget)
+    at_once.observe(accepted.numpy(), accept_len.numpy(), budget)  # the batch's rows in one round
     assert accept_len.float().mean() > 2.0  # paths deep enough to tell sizes apart
     for n in range(1, budget + 1):
         small = first_nodes(full, n)
         _, small_len, _ = accept_paths(small, posterior[:, : n + 1].contiguous(), backend="reference")
         assert ledger.tokens(n) == pytest.approx(small_len.double().mean().item()), n
+        spread = small_len.double().var(unbiased=False).item()
+        assert ledger.variance_of([n])[0] == pytest.approx(spread, abs=1e-9), n
+        assert at_once.tokens(n) == pytest.approx(ledger.tokens(n)) and at_once.variance_of([n]) == pytest.approx(
+            ledger.variance_of([n]), abs=1e-9)
 
 
 def test_at_first_the_largest_size_until_it_is_known():

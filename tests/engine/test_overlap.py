@@ -38,6 +38,35 @@ def test_overlapped_steps_equal_step_by_step(pair, mode, budget, temperature):
     assert engine.blocks.num_free == engine.blocks.num_pages
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prefill_is_read_only_after_the_next_round_is_launched(pair, overlap):
+    """A step that admits launches its round before it reads the prefill's first tokens (reading
+    them first left the device idle while the host launched the round), and those tokens still
+    come out in that step; a request whose prefill commits its last token takes no round."""
+    from ddtree.engine import inflight
+
+    engine = _engine(pair, overlap=overlap)
+    order, read = [], inflight.Admission.tokens
+    round_ = engine.worker.round
+    engine.worker.round = lambda *args, **kw: order.append("round") or round_(*args, **kw)
+    inflight.Admission.tokens = lambda self: order.append("read") or read(self)
+    try:
+        first = engine.add_request([5, 9, 11], SamplingParams(max_new_tokens=6), mode="ddtree", budget=8)
+        outs = engine.step()
+        assert order == ["round", "read"]
+        (count,) = [len(o.new_token_ids) for o in outs if o.request_id == first]
+        assert count == 1 if overlap else count >= 2  # without overlap the round's tokens join it
+        while engine.has_unfinished():
+            engine.step()
+        order.clear()
+        alone = engine.add_request([7, 8], SamplingParams(max_new_tokens=1), mode="ddtree", budget=8)
+        outs = engine.step()
+        assert order == ["read"] and [(o.request_id, len(o.new_token_ids), o.finished) for o in outs] == [(alone, 1, True)]
+    finally:
+        inflight.Admission.tokens = read
+    assert engine.blocks.num_free == engine.blocks.num_pages
+
+
 def test_stop_strings_seen_one_round_late_change_nothing(pair):
     plain = _engine(pair, overlap=False)
     free = plain.generate(["hello"], max_new_tokens=40, mode="ddtree", budget=8)[0]

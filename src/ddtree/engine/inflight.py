@@ -43,12 +43,35 @@ class Flight:
         return self.result.numpy()
 
 
+@dataclass
+class Admission:
+    """Prompts prefilled: their requests and first tokens (int64 [len(requests)] on the host, as
+    Flight's result), read after the next round is launched, so the device runs that round while
+    the host waits for the prefill."""
+
+    requests: list[Request]
+    first: torch.Tensor
+    done: torch.cuda.Event | None
+    timer: StageTimer
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.first.tolist()
+
+
 def launch_copy(result: torch.Tensor, requests: list[Request], plan: RoundPlan, timer: StageTimer) -> Flight:
     """Queue the copy of a round's device result to the host, behind the round; returns at once."""
-    if not result.is_cuda:
-        return Flight(requests, plan, result, None, timer)
-    host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-    host.copy_(result, non_blocking=True)
+    return Flight(requests, plan, *copy_to_host(result), timer)
+
+
+def copy_to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """(a host copy of `values`, the event after which it is complete; None off CUDA, where the
+    copy is `values` itself), queued behind the work already on the device; returns at once."""
+    if not values.is_cuda:
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
     done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(result.device))  # the engine's device, whatever the thread's current one
-    return Flight(requests, plan, host, done, timer)
+    done.record(torch.cuda.current_stream(values.device))  # the engine's device, whatever the thread's current one
+    return host, done

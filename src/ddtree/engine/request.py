@@ -107,6 +107,7 @@ class Request:
         self.accepted_nodes = 0.0  # budget "auto": tree nodes it had accepted, and what the pooled
         self.expected_nodes = 0.0  # rates expected of the same rounds (engine/sizing.py)
         self.finish_reason: str | None = None
+        self.awaiting_first = False  # prefilled, its first token not yet read back (engine/stepping.py)
         self.stats = GenerationStats()
         self.started = 0.0
         self.ended = 0.0
@@ -117,8 +118,8 @@ class Request:
         return self.mode == "ddtree" and self.budget == "auto"
 
     def remaining_tokens(self) -> int:
-        """Tokens it may still commit, as the host has seen so far."""
-        return self.params.max_new_tokens - len(self.output)
+        """Tokens it may still commit, as the host has seen so far (the first counted once prefilled)."""
+        return self.params.max_new_tokens - len(self.output) - self.awaiting_first
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from .batch import SlotSettings
-from .inflight import Flight, launch_copy
+from .inflight import Admission, Flight, copy_to_host, launch_copy
 from .request import Request, StepOutput
 from .scheduling import batch_requests, generation_params
 from .timing import StageTimer
@@ -39,13 +39,15 @@ class Stepping:
         if self.sizer is not None and self.sizer.forced is None and self.sizer.failure is None \
                 and not self._running and any(r.auto for r in self._waiting):
             self._measure_or_degrade()  # before the first "auto" round of these batches
-        outputs = {out.request_id: out for out in self._admit()}
-        if outputs:
+        admitted = self._admit()
+        if admitted is not None:
             self._last_read = None  # this step's prefill would count as the next read round's cost
-        launched = self._launch([r for _, r in sorted(self._running.items())]) if self._running else None
+        running = [r for _, r in sorted(self._running.items()) if r.remaining_tokens() > 0]  # not one whose prefill ends it
+        launched = self._launch(running) if running else None
         if launched is not None and launched.irregular:
             self._last_read = None  # the interval read next holds this launch's eager round or capture
         ready, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)
+        outputs = {out.request_id: out for out in self._first_tokens(admitted)} if admitted is not None else {}
         for out in self._collect(ready) if ready is not None else []:
             first = outputs.get(out.request_id)
             if first is not None:  # prefilled in this step (no overlap): one output with both parts
@@ -55,7 +57,8 @@ class Stepping:
             outputs[out.request_id] = out
         return list(outputs.values())
 
-    def _admit(self) -> list[StepOutput]:
+    def _admit(self) -> Admission | None:
+        """Prefill what fits; the first tokens stay on the device until _first_tokens."""
         new = []
         free_slots = sorted(set(range(self.max_batch)) - set(self._running))
         while self._waiting and free_slots and self.blocks.can_admit(self._waiting[0].worst_rows()):
@@ -68,20 +71,31 @@ class Stepping:
             self._running[request.slot] = request
             new.append(request)
         if not new:
-            return []
+            return None
         for request in new:
             request.started = time.perf_counter()
+            request.prefix_len = len(request.prompt_ids)
+            request.awaiting_first = True
         self.blocks.reserve([(r.slot, len(r.prompt_ids), r.id) for r in new])
         sampled, filtered = generation_params([r.params for r in new])
-        self.timer.start()
+        timer = StageTimer(self.device, self.time_stages)
+        timer.start()
         first = self.worker.prefill(self.blocks.table, [r.slot for r in new], [r.prompt_ids for r in new], sampled,
                                     filtered)
-        self.timer.mark("prefill")  # recorded before the copy below waits, so complete once it has
-        first = first.tolist()
-        seconds = self.timer.seconds().get("prefill", 0.0)
+        timer.mark("prefill")
+        return Admission(new, *copy_to_host(first), timer)
+
+    def _first_tokens(self, admitted: Admission) -> list[StepOutput]:
+        """Commit the prefill's first tokens, waiting for it: called once the round after it is
+        launched, so the device runs that round meanwhile (reading them at once left the device
+        idle while the host then launched the round)."""
+        tokens = admitted.tokens()
+        seconds = admitted.timer.seconds().get("prefill", 0.0)
         outputs = []
-        for request, token in zip(new, first):
-            request.prefix_len = len(request.prompt_ids)
+        for request, token in zip(admitted.requests, tokens):
+            request.awaiting_first = False
+            if not self._live(request):
+                continue  # aborted since its admission
             request.stats.stage_seconds["prefill"] += seconds
             outputs.append(self._emit(request, [token]))
         return outputs

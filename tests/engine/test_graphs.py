@@ -23,8 +23,12 @@ def test_the_drafter_key_bound_of_eager_and_graphed_rounds():
 
 
 def test_a_default_cpu_engine_runs_eagerly(tmp_path):
+    from ddtree.engine.prefill_graphs import capture_prefill_graphs
+
     target_dir, drafter_dir, _ = make_pair(tmp_path)
-    assert Engine.from_pretrained(target_dir, drafter_dir, device="cpu").graphs is None
+    engine = Engine.from_pretrained(target_dir, drafter_dir, device="cpu")
+    assert engine.graphs is None and engine.worker.prefill_graphs is None
+    assert capture_prefill_graphs(engine) == []  # serve's start-up on the CPU: nothing to capture
 
 
 def test_cuda_graphs_refuse_a_cpu_engine(tmp_path):
@@ -185,3 +189,23 @@ def test_prompts_admitted_alone_replay_prefill_graphs(tmp_path):
     assert used.captures >= 2 and used.replays >= 4 and used.eager_prefills == len(used._seen)
     assert unused.captures == 0 and unused.replays == 0 and unused.eager_prefills == 2 * len(batch)
     assert graphed.blocks.num_free == graphed.blocks.num_pages
+
+
+@pytest.mark.cuda
+def test_prefill_graphs_captured_before_the_first_request(tmp_path):
+    """capture_prefill_graphs (serve's start-up) captures every row bucket's prefill for each
+    sampling flag set, so later admissions of one prompt only replay: greedy, sampled and cut."""
+    from ddtree.engine.prefill_graphs import capture_prefill_graphs
+
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    engine = Engine.from_pretrained(target_dir, drafter_dir, device="cuda", dtype=torch.bfloat16, page_size=16,
+                                    max_batch=2, max_model_len=100, stop_token_ids=())
+    graphs = engine.worker.prefill_graphs
+    assert capture_prefill_graphs(engine) == [16, 32, 64, 128]  # 99 rows fit bucket 128
+    captured, eager = graphs.captures, graphs.eager_prefills
+    assert captured == 4 * 3
+    for temperature, top_k in ((0.0, 0), (0.7, 0), (0.7, 5)):
+        outs = engine.generate(prompts(5, 96, seed=6, lengths=(3, 90)), 8, mode="ddtree", budget=8,
+                               temperature=temperature, top_k=top_k, seed=list(range(5)))
+        assert all(len(o.token_ids) == 8 for o in outs)
+    assert graphs.captures == captured and graphs.eager_prefills == eager and graphs.replays >= 15

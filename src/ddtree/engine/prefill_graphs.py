@@ -100,3 +100,30 @@ class PrefillGraphs:
         self._graphs[key] = (graph, inputs, first)
         log.info("captured the prefill graph of %d rows (sampled %s, top-k/top-p %s)", *key)
         return self._graphs[key]
+
+
+# (temperature, top_k): greedy, sampled, sampled with a cut; the flags generation_params can give
+FLAG_SETTINGS = ((0.0, 0), (1.0, 0), (1.0, 20))
+
+
+def capture_prefill_graphs(engine) -> list[int]:
+    """Capture every row bucket's prefill graphs (each sampling flag set) on an idle engine, with
+    stand-in prompts of max_new_tokens 1 (no round runs), so that no admission captures on the
+    request path; returns the buckets captured ([] without prefill graphs, as on the CPU)."""
+    graphs = engine.worker.prefill_graphs
+    if graphs is None or graphs.pool is None:
+        return []
+    if engine.has_unfinished():
+        raise RuntimeError("prefill graphs are captured on an idle engine: finish or abort its requests first")
+    engine.drain()
+    vocab, done = engine.target.cfg.vocab_size, []
+    for bucket in graphs.buckets:
+        rows = min(bucket, graphs.largest, engine.max_model_len - 1)
+        if rows <= bucket // 2:
+            break  # longer prompts than this bucket's smaller neighbour cannot come
+        prompt = [(7 * i + 3) % vocab for i in range(rows)]
+        for temperature, top_k in FLAG_SETTINGS:
+            for _ in range(2):  # eager (compiling its kernels), then captured
+                engine.generate([prompt], 1, mode="ar", budget=1, temperature=temperature, top_k=top_k, seed=0)
+        done.append(bucket)
+    return done

@@ -132,12 +132,18 @@ def load_for_serving(args):
     costs for budget auto ready: kept, loaded or measured before any request waits for them."""
     from ..engine.kept_costs import table_path
     from ..engine.loading import resolve_device
+    from ..engine.prefill_graphs import capture_prefill_graphs
 
     # before the engine is built: its round costs (kept or measured) are for the threads it serves with
     leave_a_core_to_the_server(resolve_device(args.device))
     engine = load_engine(args, round_costs=args.round_costs, kept_costs="fresh" if args.fresh_costs else "use")
     print(f"ddtree serve: {cache_line(engine)}", file=sys.stderr, flush=True)
     print(f"ddtree serve: {weights_line(engine)}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    buckets = capture_prefill_graphs(engine)  # an admission's prefill never captures on the request path
+    if buckets:
+        print(f"ddtree serve: prefill graphs of prompts up to {buckets[-1]} rows (buckets {buckets}) captured in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if engine.sizer is None:
         return engine
     start = time.perf_counter()

@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         sys.stderr.write(f"ddtree {args.command}: error: {problem}\n")
         return 2
+    from .engine.kept_costs import share_with_triton
+
+    share_with_triton()  # before any kernel compiles; serve's engine-core process inherits it
     _quiet_transformers()
     try:
         if args.command == "generate":

@@ -260,3 +260,23 @@ def test_a_newcomers_errors_from_a_process(argv, code, message):
     run = subprocess.run([sys.executable, "-m", "ddtree", *argv], capture_output=True, text=True, timeout=300)
     assert run.returncode == code, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith(message), run.stderr
+
+
+def test_the_commands_keep_tritons_kernels_in_the_ddtree_cache(tmp_path, monkeypatch, capsys):
+    """With DDTREE_CACHE_DIR set, Triton compiles into DDTREE_CACHE_DIR/triton (one folder a restart
+    reuses); a TRITON_CACHE_DIR of the user's wins."""
+    import os
+
+    config = tmp_path / "model"
+    config.mkdir()
+    (config / "config.json").write_text((Path(__file__).resolve().parents[2] / "benchmarks/configs/kimi-k2.6.json").read_text())
+    argv = ["plan", "--target", str(config), "--tensor-parallel", "8", "--gpu-memory", "141"]
+    monkeypatch.setenv("DDTREE_CACHE_DIR", str(tmp_path / "kept"))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    assert main(argv) == 0
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kept" / "triton")
+    triton = pytest.importorskip("triton")
+    assert triton.knobs.cache.dir == str(tmp_path / "kept" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert main(argv) == 0 and os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    capsys.readouterr()

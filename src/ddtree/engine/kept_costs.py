@@ -7,7 +7,8 @@ itself. An engine keeps what it measured in a cache folder, one file per pair si
 (Engine(kept_costs=...): "use", "fresh" to measure again, "off"). Real steps' distance from the
 table is learned online anyway (costs.StepCorrection), so a table measured on another day on the
 same kind of device is a fair start. The folder is $DDTREE_CACHE_DIR, else
-$XDG_CACHE_HOME/ddtree, else ~/.cache/ddtree.
+$XDG_CACHE_HOME/ddtree, else ~/.cache/ddtree. The commands also keep Triton's compiled kernels
+under $DDTREE_CACHE_DIR when it is set (share_with_triton).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def cache_dir() -> Path:
         return Path(os.environ["DDTREE_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "ddtree"
+
+
+def share_with_triton() -> None:
+    """With $DDTREE_CACHE_DIR set and $TRITON_CACHE_DIR not, Triton keeps its compiled kernels in
+    $DDTREE_CACHE_DIR/triton (it reads the variable at each compile): one folder that a restart
+    reuses, a container's kept volume say, holds both. Else Triton's own default (~/.triton/cache)."""
+    if os.environ.get("DDTREE_CACHE_DIR") and not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = str(cache_dir() / "triton")
 
 
 def table_path(signature: dict) -> Path:

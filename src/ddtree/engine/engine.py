@@ -35,7 +35,6 @@ from .sampling import SamplingParams
 from .scheduling import PlanLimits
 from .sizing import DEFAULT_TREE_SIZES, tree_sizer
 from .stepping import Stepping
-from .timing import StageTimer
 from .worker import Worker
 
 log = logging.getLogger("ddtree.engine")
@@ -94,7 +93,6 @@ class Engine(Stepping, OfflineGeneration):
                                 drafter.cfg.target_layer_ids if drafter is not None else (), cfg.n_routed_experts)
         self.moe_layers = len(moe_layers)
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.timer = StageTimer(self.device, time_stages)
         self.time_stages, self.overlap = time_stages, overlap
         self._inflight: Flight | None = None  # the round launched and not yet read (overlap)
         # when the last round's result came back, its (bucket, size), whether the one before had it; None: after a gap

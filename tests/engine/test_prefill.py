@@ -1,9 +1,9 @@
 """engine.prefill over several chunks writes the cache entries, feeds the drafter the context and
 chooses the first tokens of the same prefill in one chunk, for a batch of mixed prompt lengths on
 shuffled pages poisoned with NaN; and those are the plain causal forward's (the model-level
-prefill form is checked against the verify form in tests/models/test_paged_prefill.py). A prompt
-prefilled alone padded to its row bucket (what the prefill graphs replay) does the same and
-touches no other slot."""
+prefill form is checked against the verify form in tests/models/test_paged_prefill.py). Prompts
+prefilled in groups padded to a row bucket (what the prefill graphs replay), alone or together, do
+the same and touch no other slot."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from ddtree.engine.batch import BatchState, SlotSettings  # noqa: E402
 from ddtree.engine.prefill import prefill  # noqa: E402
-from ddtree.engine.prefill_graphs import PrefillGraphs, row_buckets  # noqa: E402
+from ddtree.engine.prefill_graphs import PrefillGraphs, groups_of, row_buckets  # noqa: E402
 from ddtree.engine.round import RoundContext  # noqa: E402
 from ddtree.models import load_drafter, load_target  # noqa: E402
 
@@ -83,26 +83,33 @@ def test_chunks_equal_one_prefill_and_the_plain_forward(models):
             torch.testing.assert_close(got_layer[slot, : len(prompt)], want_layer[0, : len(prompt)], rtol=1e-4, atol=1e-5)
 
 
-def test_row_buckets_hold_the_longest_prompt():
+def test_row_buckets_hold_the_longest_prompt_and_groups_the_admission():
     assert row_buckets(1) == [16] and row_buckets(16) == [16]
     assert row_buckets(17) == [16, 32] and row_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert [groups_of(n) for n in (1, 2, 3, 4, 7, 11)] == [[1], [2], [2, 1], [4], [4, 2, 1], [4, 4, 2, 1]]
 
 
-def test_prompts_one_by_one_padded_to_a_bucket_equal_one_prefill(models):
+@pytest.mark.parametrize("together", [False, True])
+def test_prompts_in_padded_groups_equal_one_prefill(models, together):
     """PrefillGraphs without a pool (a CUDA engine without graphs; with them the same work is
-    replayed): each prompt alone, padded to 16 rows, gives the batch prefill's first tokens, cache
-    entries and drafter context, and leaves every other slot's entries as they were (padding rows
-    write only the scratch page)."""
+    replayed): the prompts one by one, or all four as one group sorted by length, each padded to
+    16 rows, give the batch prefill's first tokens (in the order given), cache entries and drafter
+    context, and leave every other slot's entries as they were (padding rows write only the
+    scratch page)."""
     target, drafter = models
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in LENGTHS]
     want_first, want_caches, want_state = _run(target, drafter, prompts, max(LENGTHS))
 
-    def one_by_one(ctx, state, caches):
+    def in_groups(ctx, state, caches):
         graphs = PrefillGraphs(ctx, state, None, largest=max(LENGTHS))
         assert graphs.buckets == [16] and graphs.covers(prompts)
+        if together:
+            first = graphs.prefill(SLOTS, prompts, False, False)
+            assert graphs.eager_prefills == 1 and graphs.replays == 0
+            return first
         firsts = []
-        for i, (slot, prompt) in enumerate(zip(SLOTS, prompts)):
+        for slot, prompt in zip(SLOTS, prompts):
             before = [cache.clone() for cache in caches]
             firsts.append(graphs.prefill([slot], [prompt], False, False))
             mine = torch.zeros(caches[0].shape[:2], dtype=torch.bool)
@@ -114,7 +121,7 @@ def test_prompts_one_by_one_padded_to_a_bucket_equal_one_prefill(models):
         assert graphs.eager_prefills == len(prompts) and graphs.replays == 0
         return torch.cat(firsts)
 
-    first, caches, state = _run(target, drafter, prompts, CHUNK, fill=one_by_one)
+    first, caches, state = _run(target, drafter, prompts, CHUNK, fill=in_groups)
     assert torch.equal(first, want_first)
     assert torch.equal(state.bonus, want_state.bonus) and torch.equal(state.prefix_lens, want_state.prefix_lens)
     for cache, want in zip(caches, want_caches):
@@ -128,11 +135,11 @@ def test_prompts_one_by_one_padded_to_a_bucket_equal_one_prefill(models):
             torch.testing.assert_close(got_layer[slot, :n], want_layer[slot, :n], rtol=1e-5, atol=1e-5)
 
 
-def test_an_admission_of_many_prompts_or_a_long_one_is_not_taken_one_by_one(models):
+def test_a_prompt_past_the_largest_bucket_is_left_to_the_chunked_prefill(models):
     target, drafter = models
     state = BatchState(5, PAGES_EACH, torch.device("cpu"), drafter, drafter_capacity=20)
     ctx = RoundContext(target, drafter, target.new_cache(4, PAGE), PAGE, 4, drafter.cfg.target_layer_ids,
                        target.cfg.n_routed_experts)
     graphs = PrefillGraphs(ctx, state, None, largest=12)
-    assert graphs.covers([[1] * 12] * 4)
-    assert not graphs.covers([[1] * 13]) and not graphs.covers([[1]] * 5)
+    assert graphs.covers([[1] * 12] * 5)
+    assert not graphs.covers([[1] * 13]) and not graphs.covers([[1]] * 3 + [[1] * 13])

@@ -26,9 +26,9 @@ class Worker:
         self.ctx, self.state, self.graphs = ctx, state, graphs
         self.max_depth, self.prefill_chunk, self.relay = max_depth, prefill_chunk, relay
         self.device = state.device
-        # On CUDA the prompts of a small admission are prefilled one by one, each padded to a row
-        # bucket and replayed from a graph where the rounds have graphs. INT4 experts' many-row path reads the chosen experts back to
-        # the host, which no graph holds.
+        # On CUDA an admission's prompts are prefilled in groups padded to a row bucket, replayed from
+        # graphs where the rounds have graphs (engine/prefill_graphs.py). INT4 experts' many-row path
+        # reads the chosen experts back to the host, which no graph holds.
         capturable = graphs is not None and ctx.target.cfg.int4_experts is None
         self.prefill_graphs = (PrefillGraphs(ctx, state, graphs.pool if capturable else None, prefill_chunk)
                                if self.device.type == "cuda" else None)

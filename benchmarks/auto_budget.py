@@ -26,7 +26,7 @@ so that the machine's drift during the run falls on every configuration alike, a
 its median pass. Each auto configuration keeps what its sizer learned to itself. tokens/s:
 generated tokens over the wall time of the pass; decode tokens/s leaves out the first token and
 the wall time of the same prompts at max_new_tokens = 1 (their prefill). The bars use decode
-tokens/s.
+tokens/s, or under --schedule continuous tokens/s with the prefills (auto_budget_report.speed_key).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from auto_budget_report import bars, combine, plot, table  # noqa: E402
+from auto_budget_report import bars, combine, plot, speed_key, table  # noqa: E402
 from common import environment, write_results  # noqa: E402
 
 from ddtree import Engine  # noqa: E402
@@ -278,7 +278,7 @@ def main() -> None:
                "batches": args.batches, "budgets": args.budgets, "rows": rows, "warmup_new": args.warmup_new or args.new,
                "timed_passes": args.passes, "schedule": args.schedule,
                "pair_info": getattr(args, "pair_info", None), "prefix": None if args.pair == "demo" else args.prefix}
-    payload["bars"] = bars(rows, replay=args.pair != "demo")
+    payload["bars"] = bars(rows, replay=args.pair != "demo", key=speed_key(args.schedule))
     md = write_results(f"auto_budget-{name}", payload, table(payload), args.out_dir)
     try:
         plot(payload, md.with_suffix(".png"))

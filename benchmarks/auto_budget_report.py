@@ -17,10 +17,17 @@ def _by_batch(rows: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def batch_ratios(rows: list[dict]) -> dict:
-    """For one B: auto over the best fixed configuration and over ar, in decode tokens/s; the
+def speed_key(schedule: str | None) -> str:
+    """The speed the bars compare: decode tokens/s for groups, where every configuration admits its
+    prompts alike; tokens/s with the prefills for a continuous schedule, where trees admit prompts
+    one by one and `ar` B at a time, so the prefill time measured once (with `ar`) fits neither."""
+    return "tokens_per_s" if schedule == "continuous" else "decode_tokens_per_s"
+
+
+def batch_ratios(rows: list[dict], key: str = "decode_tokens_per_s") -> dict:
+    """For one B: auto over the best fixed configuration and over ar, in `key` (speed_key); the
     wrong drafter's auto over ar; ar_spread: how far ar's slowest timed pass was from its fastest."""
-    speed = {r["config"]: r["decode_tokens_per_s"] for r in rows}
+    speed = {r["config"]: r[key] for r in rows}
     fixed = {c: s for c, s in speed.items() if c not in (AUTO, WRONG)}
     best = max(fixed, key=fixed.get)
     ar_passes = next(r for r in rows if r["config"] == "ar").get("pass_seconds") or [1.0]
@@ -31,8 +38,8 @@ def batch_ratios(rows: list[dict]) -> dict:
     return out
 
 
-def bars(rows: list[dict], replay: bool) -> dict:
-    per_batch = {b: batch_ratios(r) for b, r in _by_batch(rows).items()}
+def bars(rows: list[dict], replay: bool, key: str = "decode_tokens_per_s") -> dict:
+    per_batch = {b: batch_ratios(r, key) for b, r in _by_batch(rows).items()}
     over_ar = [min(v["auto_over_ar"], v.get("wrong_auto_over_ar", 1e9)) for v in per_batch.values()]
     name = "auto_over_best_min_replay" if replay else "auto_over_best_min_demo"
     return {name: min(v["auto_over_best"] for v in per_batch.values()), "auto_over_ar_min": min(over_ar),
@@ -48,16 +55,19 @@ def table(payload: dict) -> str:
              + f"{payload.get('timed_passes', 1)}, run in rotation over the configurations), after a warm-up pass of "
              + "the same prompts"
              + (f" at {payload['warmup_new']} new tokens" if payload.get("warmup_new") else "")
-             + "; decode tokens/s leaves out the first token and the prefill's wall time.", "## Bars"]
+             + "; decode tokens/s leaves out the first token and the prefill's wall time"
+             + ("; the bars and 'vs best fixed' compare tokens/s with the prefills, as admissions differ by configuration"
+                if payload.get("schedule") == "continuous" else "") + ".", "## Bars"]
+    key = speed_key(payload.get("schedule"))
     parts.append("\n".join(f"- {k}: {v:.3f}" for k, v in payload["bars"].items() if k != "per_batch"))
     for batch, rows in _by_batch(payload["rows"]).items():
         ratios = payload["bars"]["per_batch"][str(batch)]
-        best = next(r for r in rows if r["config"] == ratios["best_fixed"])["decode_tokens_per_s"]
+        best = next(r for r in rows if r["config"] == ratios["best_fixed"])[key]
         parts.append(f"## B = {batch} ({rows[0]['requests']} requests)")
         parts.append(markdown_table(
             ["config", "decode tokens/s", "vs best fixed", "tokens/s", "acceptance", "mean tree size", "tree rounds",
              "equal to ar", "device ms per round", "eager rounds"],
-            [[r["config"], f"{r['decode_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s'] / best:.3f}",
+            [[r["config"], f"{r['decode_tokens_per_s']:.1f}", f"{r[key] / best:.3f}",
               f"{r['tokens_per_s']:.1f}", f"{r['mean_acceptance_length']:.2f}", f"{r['mean_tree_size']:.1f}",
               f"{r['tree_rounds']}/{r['rounds']}", f"{r['equal_to_ar']}/{r['requests']}", f"{r['round_ms']:.3f}",
               "-" if r["eager_rounds"] is None else r["eager_rounds"]] for r in rows]))
@@ -87,12 +97,12 @@ def plot(payload: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
     for ax, (batch, rows) in zip(axes[0], groups.items()):
         labels = [r["config"] for r in rows]
-        speed = [r["decode_tokens_per_s"] for r in rows]
+        speed = [r[speed_key(payload.get("schedule"))] for r in rows]
         colors = ["tab:red" if c in (AUTO, WRONG) else "tab:gray" if c.startswith("ar") else "tab:blue" for c in labels]
         ax.bar(range(len(rows)), speed, color=colors)
         ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=8)
         ax.set_title(f"B = {batch}")
-        ax.set_ylabel("decode tokens/s")
+        ax.set_ylabel("tokens/s" if payload.get("schedule") == "continuous" else "decode tokens/s")
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"budget auto vs fixed choices: {payload['pair']} on {payload['environment']['gpu']}")
     fig.tight_layout()

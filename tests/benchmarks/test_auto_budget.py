@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import auto_budget  # noqa: E402
-from auto_budget_report import bars  # noqa: E402
+from auto_budget_report import bars, speed_key  # noqa: E402
 from replay_drafter import ReplayDrafter  # noqa: E402
 
 from ddtree.models.drafter import DrafterCache  # noqa: E402
@@ -80,6 +80,10 @@ def test_bars_on_given_rows():
     assert got["auto_over_ar_min"] == pytest.approx(0.95)
     assert got["per_batch"]["1"]["best_fixed"] == "ddtree 4" and got["per_batch"]["1"]["ar_spread"] == pytest.approx(0.02)
     assert "auto_over_best_min_demo" in bars(rows, replay=False)
+    # a continuous schedule compares throughput with the prefills: here auto leads at B = 1
+    total = [r | {"tokens_per_s": {"ar": 90.0, "ddtree 4": 100.0}.get(r["config"], 110.0)} for r in rows]
+    assert bars(total, replay=True, key=speed_key("continuous"))["per_batch"]["1"]["auto_over_best"] == pytest.approx(1.1)
+    assert speed_key("groups") == "decode_tokens_per_s"
 
 
 def test_the_benchmark_runs_on_the_tiny_pair(tmp_path, monkeypatch):

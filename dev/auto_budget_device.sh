@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine
+#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -47,6 +47,10 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SVE_S:-420}" python3 benchmarks/serve_vs_engine.py --out-dir "$out" 2>&1 \
         | tee "$out/serve_vs_engine.log" | grep -v "^|" | tail -24 ;;
+    soak) # 36's GPU soak: the serving wheels carried in .whl/, as for servevsengine
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SOAK_S:-360}" python3 benchmarks/serve_soak.py \
+        --requests "${SOAK_N:-3000}" --concurrency 64 --out-dir "$out" 2>&1 | tee "$out/serve_soak.log" | tail -20 ;;
     intervals) for b in ${INTERVAL_B:-1 32}; do python3 dev/step_intervals.py --batch $b --prompts $((2 * b > 16 ? 2 * b : 16)) --configs ar ddtree,8 ddtree,auto; done 2>&1 \
                  | grep -v "measuring round costs" | tee "$out/step_intervals.log" ;;
     admission) python3 dev/admission_profile.py --batch 32 --prompts 120 ${ADMISSION_ARGS:-} 2>&1 | tee "$out/admission_profile.log" \

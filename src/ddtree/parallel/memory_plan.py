@@ -100,7 +100,7 @@ def plan_memory(target_cfg, drafter_cfg, world: int, gpu_bytes: int, *, dtype: t
     plan = _plan(target_cfg, drafter_cfg, world, gpu_bytes, dtype, page_size, max_model_len, max_batch, max_budget)
     if plan is not None:
         return plan
-    weights = sum(parameter_bytes(_rank0(target_cfg, world), dtype).values()) / GIB
+    weights = sum(_target_bytes(target_cfg, world, dtype).values()) / GIB
     fits = next((n for n in range(world + 1, 257) if _fits(target_cfg, drafter_cfg, n, gpu_bytes, dtype, page_size,
                                                           max_model_len, max_batch, max_budget)), None)
     advice = f"tensor parallel {fits} fits" if fits else "no tensor parallel up to 256 fits"
@@ -108,12 +108,14 @@ def plan_memory(target_cfg, drafter_cfg, world: int, gpu_bytes: int, *, dtype: t
                      f"on GPUs of {gpu_bytes / GIB:.1f} GiB: {advice}")
 
 
-def _rank0(target_cfg, world: int):
-    """Rank 0's target on the meta device (every rank holds equal parts: each split divides)."""
+def _target_bytes(target_cfg, world: int, dtype: torch.dtype) -> dict[str, int]:
+    """A rank's target weights by part, counted on rank 0's model on the meta device (every rank
+    holds equal parts: each split divides); a tied lm_head is the embedding's."""
     from ..models.target import Target
 
     with torch.device("meta"):
-        return Target(target_cfg, shard=Shard(0, world, _COUNTING if world > 1 else None))
+        model = Target(target_cfg, shard=Shard(0, world, _COUNTING if world > 1 else None))
+    return parameter_bytes(model, dtype, ("lm_head",) if target_cfg.tie_word_embeddings else ())
 
 
 def _fits(*args) -> bool:
@@ -130,8 +132,7 @@ def _plan(target_cfg, drafter_cfg, world, gpu_bytes, dtype, page_size, max_model
     if world < 1:
         raise ValueError(f"tensor parallel must be at least 1, got {world}")
     max_model_len = max_model_len or min(target_cfg.max_position_embeddings, 8192)
-    skip = ("lm_head",) if target_cfg.tie_word_embeddings else ()
-    target = parameter_bytes(_rank0(target_cfg, world), dtype, skip)
+    target = _target_bytes(target_cfg, world, dtype)
     element = torch.empty(0, dtype=dtype).element_size()
     drafter_bytes, cache_bytes, depth = 0, 0, 0
     if drafter_cfg is not None:

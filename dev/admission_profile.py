@@ -11,7 +11,6 @@ cudaMemcpyAsync, aten::item / _local_scalar_dense) and by device time.
 from __future__ import annotations
 
 import argparse
-import json
 import pstats
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "dev"))
 
 from ddtree import Engine  # noqa: E402
-from demo_step_profile import timed_parts, timed_run  # noqa: E402
+from demo_step_profile import demo_prompts, timed_parts, timed_run  # noqa: E402
 
 
 def main() -> None:
@@ -33,8 +32,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["ar,1", "ddtree,8"])
     parser.add_argument("--torch-profile", action="store_true")
     args = parser.parse_args()
-    lines = (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()
-    prompts = [json.loads(line)["prompt"] for line in lines][: args.prompts]
+    prompts = demo_prompts(args.prompts)
     engine = Engine.from_pretrained(max_batch=args.batch, max_budget=64, kept_costs="off")
     ids = [engine.tokenize(p) for p in prompts]  # token ids: the text's encoding is no part of a step
     spent = timed_parts(engine)

@@ -23,9 +23,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "dev"))
 
 from ddtree import Engine  # noqa: E402
 from ddtree.engine.costs import RoundCosts, StepCorrection  # noqa: E402
+from demo_step_profile import demo_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +43,7 @@ def main() -> None:
     torch.set_flush_denormal(True)
     rows = json.loads(args.costs.read_text())["rows"]
     measured = next(r["round_costs_ms"] for r in rows if "round_costs_ms" in r and r["batch"] == max(args.batches))
-    prompts = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()]
+    prompts = demo_prompts()
     for batch in args.batches:
         engine = Engine.from_pretrained(device="cpu", max_batch=batch, max_budget=max(args.budgets), kept_costs="off")
         seconds = {int(b): {int(s): t / 1e3 for s, t in row.items()} for b, row in measured.items() if int(b) <= batch}

@@ -23,6 +23,12 @@ sys.path.insert(0, str(ROOT / "src"))
 from ddtree import Engine  # noqa: E402
 
 
+def demo_prompts(count: int | None = None) -> list[str]:
+    """The demo pair's held-out prompts (benchmarks/data/demo_prompts.jsonl), the first `count`."""
+    lines = (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines][:count]
+
+
 def timed_parts(engine):
     spent = {"admit": 0.0, "launch": 0.0, "collect": 0.0}
     for name in spent:
@@ -62,8 +68,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["ar,1", "ddtree,32", "ddtree,auto"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    prompts = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()]
-    prompts = prompts[: args.prompts]
+    prompts = demo_prompts(args.prompts)
     engine = Engine.from_pretrained(max_batch=args.batch, max_budget=64, kept_costs="off")
     engine.measure_round_costs()
     spent = timed_parts(engine)

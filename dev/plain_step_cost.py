@@ -14,7 +14,6 @@ after a warm-up pass of the same prompts (graphs captured).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,10 +22,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "dev"))
 
 import ddtree.engine.batch as batch_module  # noqa: E402
 import ddtree.engine.scheduling as scheduling_module  # noqa: E402
 from ddtree import Engine  # noqa: E402
+from demo_step_profile import demo_prompts  # noqa: E402
 
 
 def timed(engine, prompts, mode, budget, new):
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--new", type=int, default=128)
     args = parser.parse_args()
-    prompts = [json.loads(line)["prompt"] for line in (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()]
+    prompts = demo_prompts()
     default_rows = batch_module.PENDING_ROWS
     for b in args.batches:
         for label, rows in (("ar", default_rows), ("auto@0", default_rows), ("auto@0 kept", 4 * args.new),

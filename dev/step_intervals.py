@@ -9,7 +9,6 @@ sizer's step correction sees, `ar` beside auto. Also counts the synchronizing ca
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,8 +20,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "dev"))
 
 from ddtree import Engine  # noqa: E402
+from demo_step_profile import demo_prompts  # noqa: E402
 
 
 def main() -> None:
@@ -31,8 +32,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--configs", nargs="+", default=["ar", "ddtree,auto"])
     args = parser.parse_args()
-    lines = (ROOT / "benchmarks/data/demo_prompts.jsonl").read_text().splitlines()
-    prompts = [json.loads(line)["prompt"] for line in lines][: args.prompts]
+    prompts = demo_prompts(args.prompts)
     engine = Engine.from_pretrained(max_batch=args.batch, max_budget=64, kept_costs="off")
     engine.measure_round_costs()
     reads = []

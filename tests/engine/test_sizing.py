@@ -10,7 +10,7 @@ from ddtree.engine.acceptance import AcceptanceLedger, largest_normal
 from ddtree.engine.costs import RoundCosts
 from ddtree.engine.batch import PENDING_ROWS
 from ddtree.engine.round import result_width
-from ddtree.engine.sizing import HOLD_ROUNDS, PLAIN_BURST, TreeSizer, best_size
+from ddtree.engine.sizing import HOLD_ROUNDS, PLAIN_BURST, PLAIN_TRY_RATE, TreeSizer, best_size
 from ddtree.tree import accept_paths, build_trees
 
 from ..tree.helpers import first_nodes, make_draft
@@ -201,26 +201,51 @@ def test_trees_explore_the_next_larger_size_now_and_then():
     request = FakeRequest()
     for _ in range(2):
         sizer.observe_step(1, 0, 1.0)  # plain steps seen at the table's cost: no plain burst in the way
-    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(12)]
-    assert sizes == [4, 4, 4, 8] * 3  # 4 tokens for 1.8 beat 3 for 1.4 and 4 for 3.0
+    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(120)]
+    # 4 tokens for 1.8 beat 3 for 1.4 and 4 for 3.0; each exploration of 8 that fails doubles the
+    # gap to the next, up to EXPLORE_BACKOFF times explore_every
+    explored = [i + 1 for i, s in enumerate(sizes) if s == 8]
+    assert set(sizes) == {4, 8} and explored == [4, 12, 28, 60, 92]
+
+
+def test_an_exploration_that_pays_brings_the_next_one_sooner():
+    """Explorations of 8 that fail come rarer; once one shows 8 pays (the drafter got good), the
+    choice moves up and explorations come at the first gap again."""
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 1.2, 2: 1.4, 4: 1.8, 8: 2.2, 16: 5.0}),
+                             explore_every=4), [1, 2, 3])
+    request = FakeRequest()
+    for _ in range(2):
+        sizer.observe_step(1, 0, 1.0)
+    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(16)]
+    assert sizes.count(8) == 2 and set(sizes) == {4, 8} and sizer.state.explore_gap == 16
+    while (size := sizer.choose(1, [request], 0.0, 0)) != 8:
+        pass
+    feed(sizer.state.ledger, [1, 2, 3, 4, 5, 6, 7], 8, 64)  # what that round of 8 showed (weighted)
+    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(8)]
+    # 8 tokens for 2.2 beat 5 for 1.8; 16 explored 4 tree rounds after 8 was (and failing, backs off)
+    assert sizes == [8, 8, 8, 16, 8, 8, 8, 8] and sizer.state.explore_gap == 8
 
 
 def test_plain_steps_never_seen_are_tried_in_a_burst_when_they_may_pay():
     """The table's plain step may be off (it once was by 1.6x): a burst of plain steps every
-    plain_every tree rounds while the table rates them at least half as good as the best tree;
-    never where they cannot pay; 8x rarer once their real cost was seen."""
-    table = costs({0: 1.0, 1: 1.6, 2: 1.7, 4: 1.8, 8: 2.0, 16: 2.5})
+    plain_every tree rounds while the table rates them at least PLAIN_TRY_RATE as good as the best
+    tree; never where they cannot pay; 8x rarer once their real cost was seen."""
+    table = costs({0: 1.0, 1: 2.0, 2: 2.3, 4: 2.5, 8: 2.8, 16: 3.2})
     sizer = taught(TreeSizer(SIZES, DEPTH, table, explore_every=1000, plain_every=10), [1, 2])
     request = FakeRequest()
     sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(9 + PLAIN_BURST)]
-    assert sizes[:9] == [2] * 9 and sizes[9:] == [0] * PLAIN_BURST  # 3 tokens for 1.7 against 1 for 1
+    assert sizes[:9] == [2] * 9 and sizes[9:] == [0] * PLAIN_BURST  # 3 tokens for 2.3 against 1 for 1
     for _ in range(PLAIN_BURST - 2):  # the engine observes the burst's steps after its first two
         sizer.observe_step(1, 0, 1.0)
     assert sizer.correction.seen(1, 0)
     sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(79)]
     assert sizes.count(0) == 0 and sizer.choose(1, [request], 0.0, 0) == 0  # the 80th round after
     hopeless = taught(TreeSizer(SIZES, DEPTH, table, explore_every=1000, plain_every=10), [1, 2, 3, 4, 5, 6, 7])
-    assert 0 not in [hopeless.choose(1, [request], 0.0, 0) for _ in range(40)]  # 8 tokens for 2.0: never plain
+    assert 0 not in [hopeless.choose(1, [request], 0.0, 0) for _ in range(40)]  # 8 tokens for 2.8: never plain
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 1.6, 2: 1.7, 4: 1.8, 8: 2.0, 16: 2.5}),
+                             explore_every=1000, plain_every=10), [1, 2])
+    rated = 1.0 / (3 / 1.7)  # plain steps rated at 0.57 of the best tree: below PLAIN_TRY_RATE, no burst
+    assert rated < PLAIN_TRY_RATE and 0 not in [sizer.choose(1, [request], 0.0, 0) for _ in range(40)]
 
 
 def test_plain_steps_dearer_than_the_table_make_trees_pay():

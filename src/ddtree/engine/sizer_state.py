@@ -31,7 +31,9 @@ class SizerState:
     chosen (the exploration clock); plain_steps: plain steps since the last tree; wait: plain steps
     before the next probe; burst: (size, steps still to run) of an exploration under way;
     plain_tried: bucket -> `rounds` at its last plain burst; held: the last choice made in full,
-    kept without choosing again while its batch stays as it was (TreeSizer.choose)."""
+    kept without choosing again while its batch stays as it was (TreeSizer.choose); explore_at:
+    `rounds` at which a tree round next takes the next larger size, explore_gap: the rounds
+    between two such, explored: the size the last one took, until a full choice judged it."""
 
     ledger: AcceptanceLedger
     wait: float
@@ -41,3 +43,6 @@ class SizerState:
     burst: tuple[int, int] | None = None
     plain_tried: dict[int, int] = field(default_factory=dict)
     held: HeldChoice | None = None
+    explore_at: int = 0
+    explore_gap: int = 0
+    explored: int | None = None

@@ -11,11 +11,13 @@ like any other), so the choice is one size per round.
 
 What is known is kept fresh by exploring, at a bounded cost:
 - at first, the largest size until it was verified `start_weight` times: it tells every size;
-- on trees, every `explore_every`-th round takes the next larger size, the only way to learn
-  what it would add;
+- on trees, one round `explore_every` tree rounds after the last such takes the next larger
+  size, the only way to learn what it would add; one that does not move the choice up doubles
+  the gap to the next (up to EXPLORE_BACKOFF times), one that does resets it;
 - plain steps whose real cost at this bucket was never seen (the table measures stand-ins, and
   was once far off: docs/notes/auto_budget.md): a burst of `PLAIN_BURST` every `plain_every` tree
-  rounds while the table rates them at least half as good as the best (8x rarer once seen);
+  rounds while the table rates them at least PLAIN_TRY_RATE as good as the best (8x rarer once
+  seen);
 - on plain steps, a probe (the best tree) after `wait` plain steps; each probe doubles the wait
   up to `max_wait`, a tree chosen on its merits resets it. A drafter that keeps failing costs
   at most about (tree cost / plain cost - 1) / max_wait over plain decoding.
@@ -50,6 +52,8 @@ PLAIN_BURST = 4  # plain steps in a row: the third and fourth teach the correcti
 HOLD_ROUNDS = 4  # a tree size chosen holds this many rounds while its batch stays as it was
 PROBE_MARGIN = 0.05  # a closed batch probes trees only while they are expected to end it at most 5% after plain steps
 PRIOR_NODES = 24.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 24 nodes
+EXPLORE_BACKOFF = 8  # explorations of the next larger size that keep failing come at most 8x rarer
+PLAIN_TRY_RATE = 0.75  # the table's plain step is tried while it rates them at least 3/4 of the best tree
 
 
 def best_size(sizes: list[int], seconds: list[float], tokens: list[float]) -> int:
@@ -99,7 +103,8 @@ class TreeSizer:
 
     def fresh_state(self) -> SizerState:
         """A state that knows nothing yet."""
-        return SizerState(AcceptanceLedger(self.largest, self.memory), wait=self.first_wait)
+        return SizerState(AcceptanceLedger(self.largest, self.memory), wait=self.first_wait,
+                          explore_at=self.explore_every, explore_gap=self.explore_every)
 
     @property
     def largest(self) -> int:
@@ -195,17 +200,19 @@ class TreeSizer:
                 state.held = HeldChoice(key, 0, probe=may_probe)
             return size
         state.plain_steps, state.wait = 0, self.first_wait
+        self._judge_exploration(size)
         larger = next((s for s in candidates if s > size), None)
         rates = (tokens[0] / seconds[0], tokens[known.index(size)] / seconds[known.index(size)]) if 0 in known else None
         state.held = HeldChoice(key, size, larger, HOLD_ROUNDS - 1, rates)
         return self._take_tree(bucket, size, larger, rates)
 
     def _take_tree(self, bucket: int, size: int, larger: int | None, rates: tuple[float, float] | None) -> int:
-        """A tree round of `size` chosen (or held): every explore_every-th tree round takes the next
-        larger size instead, and a plain burst runs when due (rates: plain and this size's, per s)."""
+        """A tree round of `size` chosen (or held): the next larger size instead when an exploration
+        is due, and a plain burst when one is (rates: plain and this size's, per s)."""
         state = self.state
         state.rounds += 1
-        if larger is not None and state.rounds % self.explore_every == 0:
+        if larger is not None and state.rounds >= state.explore_at:
+            state.explore_at, state.explored = state.rounds + state.explore_gap, larger
             return larger
         if rates is not None and self._plain_due(bucket, *rates):
             state.plain_tried[bucket] = state.rounds
@@ -214,11 +221,21 @@ class TreeSizer:
             return 0
         return size
 
+    def _judge_exploration(self, chosen: int) -> None:
+        """A tree size chosen in full after an exploration: if the explored size (or a larger one)
+        won, explore as often as at first; if not, half as often as before (EXPLORE_BACKOFF at most)."""
+        state = self.state
+        if state.explored is None:
+            return
+        gap = self.explore_every if chosen >= state.explored else min(2 * state.explore_gap, EXPLORE_BACKOFF * self.explore_every)
+        state.explore_at += gap - state.explore_gap
+        state.explore_gap, state.explored = gap, None
+
     def _plain_due(self, bucket: int, plain_rate: float, best_rate: float) -> bool:
         """Whether a burst of plain steps should run now, to learn their real cost at `bucket`."""
         state = self.state
         every = self.plain_every * (8 if state.correction.seen(bucket, 0) else 1)
-        return plain_rate >= 0.5 * best_rate and state.rounds - state.plain_tried.get(bucket, 0) >= every
+        return plain_rate >= PLAIN_TRY_RATE * best_rate and state.rounds - state.plain_tried.get(bucket, 0) >= every
 
     def _plain_or_probe(self, bucket: int, known: list[int], seconds: list[float], tokens: list[float],
                         caps: np.ndarray, may_probe: bool = True) -> int:

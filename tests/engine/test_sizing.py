@@ -218,7 +218,7 @@ def test_an_exploration_that_pays_brings_the_next_one_sooner():
         sizer.observe_step(1, 0, 1.0)
     sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(16)]
     assert sizes.count(8) == 2 and set(sizes) == {4, 8} and sizer.state.explore_gap == 16
-    while (size := sizer.choose(1, [request], 0.0, 0)) != 8:
+    while sizer.choose(1, [request], 0.0, 0) != 8:
         pass
     feed(sizer.state.ledger, [1, 2, 3, 4, 5, 6, 7], 8, 64)  # what that round of 8 showed (weighted)
     sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(8)]

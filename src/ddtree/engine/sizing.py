@@ -202,7 +202,8 @@ class TreeSizer:
         state.plain_steps, state.wait = 0, self.first_wait
         self._judge_exploration(size)
         larger = next((s for s in candidates if s > size), None)
-        rates = (tokens[0] / seconds[0], tokens[known.index(size)] / seconds[known.index(size)]) if 0 in known else None
+        # the burst check's rates per auto request, uncapped: what it learns is for rounds to come
+        rates = (1.0 / seconds[0], ledger.tokens(size) / seconds[known.index(size)]) if 0 in known else None
         state.held = HeldChoice(key, size, larger, HOLD_ROUNDS - 1, rates)
         return self._take_tree(bucket, size, larger, rates)
 

@@ -20,6 +20,9 @@ from statistics import NormalDist
 
 import numpy as np
 
+PROBE_MARGIN = 0.05  # a closed batch probes trees only while they are expected to end it at most 5% after plain steps
+PRIOR_NODES = 24.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 24 nodes
+
 
 class AcceptanceLedger:
     """Per node number 1 .. largest: the rate at which it was on a round's accepted path."""
@@ -100,3 +103,18 @@ def slowest_rounds(ledger: AcceptanceLedger, sizes: list[int], scale: np.ndarray
     per_round = np.maximum(np.minimum(1.0 + scale[:, None] * (ledger.tokens_of(sizes) - 1.0)[None, :], caps[:, None]), 1.0)
     spread = np.sqrt(caps[:, None] * ledger.variance_of(sizes)[None, :] / per_round**3)  # [R, S] rounds
     return np.ceil(caps[:, None] / per_round + largest_normal(len(caps)) * spread).max(0)
+
+
+def soonest_done(ledger: AcceptanceLedger, known: list[int], seconds: list[float], auto: list,
+                 caps: np.ndarray) -> tuple[int, bool]:
+    """For a closed batch of `auto` requests (engine Requests, `caps` [R] tokens left): the size
+    of `known` (0 included; `seconds` a step of each) whose slowest request is expected to end
+    first (slowest_rounds; a request's nodes per round are the pooled rate's times its own scale,
+    its accepted nodes over what the pooled rates expected of the same rounds, PRIOR_NODES
+    pulling it to 1), and whether the best tree ends within PROBE_MARGIN of plain steps (a probe
+    may show it pays)."""
+    scale = np.array([(r.accepted_nodes + PRIOR_NODES) / (r.expected_nodes + PRIOR_NODES) for r in auto])
+    ends = slowest_rounds(ledger, known, scale, caps) * np.asarray(seconds)
+    trees = [i for i, s in enumerate(known) if s > 0]
+    close = 0 not in known or not trees or ends[trees].min() <= (1 + PROBE_MARGIN) * ends[known.index(0)]
+    return known[int(np.argmin(ends))], close  # ties to the smaller size

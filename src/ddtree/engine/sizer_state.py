@@ -46,3 +46,13 @@ class SizerState:
     explore_at: int = 0
     explore_gap: int = 0
     explored: int | None = None
+
+    def judge_exploration(self, chosen: int, first_gap: int, most_gap: int) -> None:
+        """A tree size chosen in full after an exploration: if the explored size (or a larger one)
+        won, explore every first_gap rounds again; if not, half as often as before (every
+        most_gap at most)."""
+        if self.explored is None:
+            return
+        gap = first_gap if chosen >= self.explored else min(2 * self.explore_gap, most_gap)
+        self.explore_at += gap - self.explore_gap
+        self.explore_gap, self.explored = gap, None

@@ -25,7 +25,7 @@ When the caller waits for the whole batch (Engine.generate, nothing queued: `clo
 is when its last request ends, not the tokens per second of each round: trees finish requests at
 different rounds and the batch lasts as long as its slowest one. Then the size is the one whose
 slowest request is expected to end first, each request's tokens scaled by how its accepted nodes
-compared with the pooled rates so far (a prior of PRIOR_NODES nodes pulls it to 1).
+compared with the pooled rates so far (acceptance.soonest_done).
 
 A plain step keeps its row for the drafter's context (set aside, engine/batch.py) only within
 PENDING_ROWS steps of a tree it knows of (a probe, or a burst's end); the others cost what an `ar`
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import AcceptanceLedger, slowest_rounds
+from .acceptance import AcceptanceLedger, soonest_done
 from .batch import PENDING_ROWS
 from .costs import RoundCosts, StepCorrection, check_signature
 from .round import result_width
@@ -50,8 +50,6 @@ from .sizer_state import HeldChoice, SizerState
 DEFAULT_TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PLAIN_BURST = 4  # plain steps in a row: the third and fourth teach the correction their cost
 HOLD_ROUNDS = 4  # a tree size chosen holds this many rounds while its batch stays as it was
-PROBE_MARGIN = 0.05  # a closed batch probes trees only while they are expected to end it at most 5% after plain steps
-PRIOR_NODES = 24.0  # a request's acceptance relative to the pooled rates starts as if it had matched them for 24 nodes
 EXPLORE_BACKOFF = 8  # explorations of the next larger size that keep failing come at most 8x rarer
 PLAIN_TRY_RATE = 0.75  # the table's plain step is tried while it rates them at least 3/4 of the best tree
 
@@ -191,7 +189,7 @@ class TreeSizer:
         tokens = (fixed_tokens + np.minimum(ledger.tokens_of(known)[None, :], caps[:, None]).sum(0)).tolist()
         may_probe = True
         if closed and floor == 0 and fixed_tokens == 0:
-            size, may_probe = self._soonest_done(known, seconds, auto, caps)
+            size, may_probe = soonest_done(ledger, known, seconds, auto, caps)
         else:
             size = best_size(known, seconds, tokens)
         if size == 0:
@@ -200,7 +198,7 @@ class TreeSizer:
                 state.held = HeldChoice(key, 0, probe=may_probe)
             return size
         state.plain_steps, state.wait = 0, self.first_wait
-        self._judge_exploration(size)
+        state.judge_exploration(size, self.explore_every, EXPLORE_BACKOFF * self.explore_every)
         larger = next((s for s in candidates if s > size), None)
         # the burst check's rates per auto request, uncapped: what it learns is for rounds to come
         rates = (1.0 / seconds[0], ledger.tokens(size) / seconds[known.index(size)]) if 0 in known else None
@@ -221,16 +219,6 @@ class TreeSizer:
             state.held = None
             return 0
         return size
-
-    def _judge_exploration(self, chosen: int) -> None:
-        """A tree size chosen in full after an exploration: if the explored size (or a larger one)
-        won, explore as often as at first; if not, half as often as before (EXPLORE_BACKOFF at most)."""
-        state = self.state
-        if state.explored is None:
-            return
-        gap = self.explore_every if chosen >= state.explored else min(2 * state.explore_gap, EXPLORE_BACKOFF * self.explore_every)
-        state.explore_at += gap - state.explore_gap
-        state.explore_gap, state.explored = gap, None
 
     def _plain_due(self, bucket: int, plain_rate: float, best_rate: float) -> bool:
         """Whether a burst of plain steps should run now, to learn their real cost at `bucket`."""
@@ -256,17 +244,6 @@ class TreeSizer:
         if not state.correction.seen(bucket, probe):
             state.burst = (probe, 1)  # a second round teaches the correction its cost
         return probe
-
-    def _soonest_done(self, known: list[int], seconds: list[float], auto: list, caps: np.ndarray) -> tuple[int, bool]:
-        """The size (of `known`, 0 included) whose slowest request is expected to end first
-        (acceptance.slowest_rounds; a request's nodes per round are the pooled rate's times its own
-        scale), and whether the best tree ends within PROBE_MARGIN of plain steps (a probe may
-        show it pays)."""
-        scale = np.array([(r.accepted_nodes + PRIOR_NODES) / (r.expected_nodes + PRIOR_NODES) for r in auto])
-        ends = slowest_rounds(self.state.ledger, known, scale, caps) * np.asarray(seconds)
-        trees = [i for i, s in enumerate(known) if s > 0]
-        close = 0 not in known or not trees or ends[trees].min() <= (1 + PROBE_MARGIN) * ends[known.index(0)]
-        return known[int(np.argmin(ends))], close  # ties to the smaller size
 
     def observe_step(self, bucket: int, size: int, seconds: float) -> None:
         """A real step of `size` at `bucket` took `seconds` of wall time: teach the correction how

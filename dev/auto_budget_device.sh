@@ -51,7 +51,7 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SOAK_S:-360}" python3 benchmarks/serve_soak.py \
         --requests "${SOAK_N:-3000}" --concurrency 64 --out-dir "$out" 2>&1 | tee "$out/serve_soak.log" | tail -20 ;;
-    intervals) for b in ${INTERVAL_B:-1 32}; do python3 dev/step_intervals.py --batch $b --prompts $((2 * b > 16 ? 2 * b : 16)) --configs ar ddtree,8 ddtree,auto; done 2>&1 \
+    intervals) for b in ${INTERVAL_B:-1 32}; do python3 dev/step_intervals.py --batch $b --prompts $((2 * b > 16 ? 2 * b : 16)) --configs ar ddtree,8 ddtree,auto --warmup; done 2>&1 \
                  | grep -v "measuring round costs" | tee "$out/step_intervals.log" ;;
     admission) python3 dev/admission_profile.py --batch 32 --prompts 120 ${ADMISSION_ARGS:-} 2>&1 | tee "$out/admission_profile.log" \
                  | grep -E "wall|prefill|admit" | head -40 ;;

@@ -3,7 +3,7 @@ with its rounds replaced by a canned result (a plain step commits one token, a t
 --accepted tokens along its first nodes), so what is timed is the host's part of a step (plan,
 sizer, launch bookkeeping, commit, detokenize, stream): `ar` beside budget="auto" on plain steps (a
 cost table in which trees never pay), ddtree 8 beside budget="auto" on trees (a table in which
-size 8 pays most).
+size 8 pays most), and auto's plain steps forced with their rows set aside or left out.
 
     python dev/host_step_cost.py --batch 1 8 32
 """
@@ -64,8 +64,11 @@ def main() -> None:
     for batch in args.batch:
         engine = Engine.from_pretrained(device="cpu", max_batch=batch, max_budget=64, kept_costs="off")
         engine.worker.round = canned_rounds(engine, args.accepted)
-        for mode in ("ar", "auto", "ddtree8", "auto-trees") * 2:
+        for mode in ("ar", "auto", "ddtree8", "auto-trees", "plain-aside", "plain-out") * 2:
             engine.sizer.costs = cost_table(engine, batch, trees_pay=mode == "auto-trees")
+            # auto's plain steps forced, their rows set aside for the drafter or left out
+            engine.sizer.forced = 0 if mode.startswith("plain") else None
+            engine.sizer.forced_set_aside = mode == "plain-aside"
             params = SamplingParams(max_new_tokens=args.accepted * (args.steps + 50), ignore_eos=True)
             ids = [engine.add_request([5 + i, 9, 11], params, mode="ar" if mode == "ar" else "ddtree",
                                       budget={"ar": 1, "ddtree8": 8}.get(mode, "auto")) for i in range(batch)]

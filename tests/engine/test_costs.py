@@ -81,3 +81,19 @@ def test_step_correction_learns_how_far_the_table_is_off():
     for _ in range(3):  # only the last `memory` steps count: the old ratios are gone
         correction.observe(1, 4, seconds=1.0, predicted=1.0)
     assert correction.ratio(1, 4) == pytest.approx(1.0) and correction.ratio(1, 32) == pytest.approx(1.0)
+
+
+def test_a_correction_expires_after_horizon_steps_of_other_shapes():
+    """Plain steps once read at 2x the table, then only trees for `horizon` steps: the plain step
+    falls back to the table's cost (so it is tried again), and a fresh reading counts alone."""
+    correction = StepCorrection(memory=4, min_count=2, horizon=10)
+    for _ in range(2):
+        correction.observe(1, 0, seconds=2.0, predicted=1.0)
+    assert correction.ratio(1, 0) == pytest.approx(2.0)
+    for step in range(9):
+        correction.observe(1, 8, seconds=1.0, predicted=1.0)
+        assert correction.ratio(1, 0) == pytest.approx(2.0 if step < 8 else 1.0)  # the first gone 10 steps on
+    for _ in range(2):
+        correction.observe(1, 0, seconds=1.1, predicted=1.0)
+    assert correction.ratio(1, 0) == pytest.approx(1.1)  # the old 2.0s are gone, not averaged in
+    assert correction.ratios[(1, 0)] == (pytest.approx(1.1), 4) and correction.ratio(1, 8) == pytest.approx(1.0)

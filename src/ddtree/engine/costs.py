@@ -157,32 +157,43 @@ class StepCorrection:
     the table measured it as it runs (no tree to differ), and a tree observed dear must not make
     plain steps look dear too, or they would never be tried. Each is the median of its last
     `memory` observations, so that a stall (a page fault, a collection, a kernel compiled late)
-    moves none while it is one step in a few; one step's ratio is also clamped to `limits`."""
+    moves none while it is one step in a few; one step's ratio is also clamped to `limits`. An
+    observation expires `horizon` observed steps (of any shape) later: a size the sizer stopped
+    taking because it once measured dear falls back to the table and is tried again, rather than
+    held off by old readings that only rare re-tests could replace."""
 
     ANY_TREE = -1
 
-    def __init__(self, memory: int = 16, min_count: int = 2, limits: tuple[float, float] = (0.5, 4.0)):
-        self.memory, self.min_count, self.limits = memory, min_count, limits
+    def __init__(self, memory: int = 16, min_count: int = 2, limits: tuple[float, float] = (0.5, 4.0),
+                 horizon: int = 256):
+        self.memory, self.min_count, self.limits, self.horizon = memory, min_count, limits, horizon
         self.ratios: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, size) -> (ratio, steps seen)
-        self._recent: dict[tuple[int, int], deque[float]] = {}
+        self._recent: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # key -> (step number, ratio)
+        self._steps = 0  # steps observed, of any shape
 
     def observe(self, bucket: int, size: int, seconds: float, predicted: float) -> None:
         ratio = min(max(seconds / predicted, self.limits[0]), self.limits[1])
+        self._steps += 1
         for key in self._keys(bucket, size):
-            recent = self._recent.setdefault(key, deque(maxlen=self.memory))
-            recent.append(ratio)
-            ordered, half = sorted(recent), len(recent) // 2
-            median = ordered[half] if len(recent) % 2 else (ordered[half - 1] + ordered[half]) / 2
-            self.ratios[key] = (median, self.ratios.get(key, (1.0, 0))[1] + 1)
+            self._recent.setdefault(key, deque(maxlen=self.memory)).append((self._steps, ratio))
+            self.ratios[key] = (self._median(key, 1), self.ratios.get(key, (1.0, 0))[1] + 1)
 
     def ratio(self, bucket: int, size: int) -> float:
-        """The factor for a step of `size` at `bucket`: its own once seen min_count times, else
-        (trees) the bucket's over all tree sizes, else 1."""
+        """The factor for a step of `size` at `bucket`: its own while min_count of its
+        observations are unexpired, else (trees) the bucket's over all tree sizes, else 1."""
         for key in self._keys(bucket, size):
-            mean, count = self.ratios.get(key, (1.0, 0))
-            if count >= self.min_count:
-                return mean
+            median = self._median(key, self.min_count)
+            if median is not None:
+                return median
         return 1.0
+
+    def _median(self, key: tuple[int, int], least: int) -> float | None:
+        """The median of `key`'s unexpired observations; None for fewer than `least`."""
+        ordered = sorted(r for step, r in self._recent.get(key, ()) if step > self._steps - self.horizon)
+        if len(ordered) < least:
+            return None
+        half = len(ordered) // 2
+        return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
     def seen(self, bucket: int, size: int) -> bool:
         """Whether steps of exactly `size` at `bucket` were observed min_count times."""

@@ -92,6 +92,7 @@ def _record(out) -> dict:
 
 def generate(args) -> None:
     from .engine import SamplingParams
+    from .engine.heap import frozen_heap
 
     _log_engine_events()
 
@@ -137,12 +138,13 @@ def generate(args) -> None:
 
     if not args.json:
         sys.stdout.write(args.prompts[0])
-    while engine.has_unfinished():
-        for out in engine.step():
-            buffered[out.request_id] += out.new_text or ""
-            if out.finished:
-                done.add(out.request_id)
-        show()
+    with frozen_heap():  # the loaded pair out of the collections its steps trigger
+        while engine.has_unfinished():
+            for out in engine.step():
+                buffered[out.request_id] += out.new_text or ""
+                if out.finished:
+                    done.add(out.request_id)
+            show()
     show()
 
 

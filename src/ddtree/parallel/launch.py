@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..engine.heap import frozen_heap
 from ..engine.loading import load_pair
 from .relay import Relay, follow
 from .shard import Shard
@@ -73,7 +74,8 @@ def _follower(index: int, world: int, address: str, backend: str, load: dict, en
         device = f"cuda:{rank}" if backend == "nccl" else "cpu"
         target, drafter, tokenizer, stops = load_pair(**load, device=device, shard=shard)
         engine = engine_class(target, drafter, tokenizer, **{**engine_args, "round_costs": None})
-        follow(engine.worker, control)
+        with frozen_heap():  # the shard's model out of the collections its rounds trigger
+            follow(engine.worker, control)
     finally:
         dist.destroy_process_group()
 

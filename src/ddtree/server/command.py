@@ -204,6 +204,7 @@ def _serve_on(sockets, args, keys) -> int:
 def _run(sockets, args, keys, limits, engine, facts) -> int:
     import uvicorn
 
+    from ..engine.heap import frozen_heap
     from .app import ServerConfig, create_app
     from .shutdown import DrainingServer
 
@@ -219,7 +220,8 @@ def _run(sockets, args, keys, limits, engine, facts) -> int:
           f"{'' if args.single_process else f', engine process {engine.pid}'}; {urls(sockets)}",
           file=sys.stderr, flush=True)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run(sockets=sockets)
+    with frozen_heap():  # the app, and with --single-process the engine, out of the collections serving triggers
+        DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run(sockets=sockets)
     died = getattr(engine, "died", None)
     if died:
         print(f"ddtree serve: error: {died}", file=sys.stderr, flush=True)

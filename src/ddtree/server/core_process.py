@@ -14,6 +14,7 @@ import threading
 
 import zmq
 
+from ..engine.heap import frozen_heap
 from .errors import APIError
 from .jobs import Failed
 from .scheduler import QueueFull, Scheduler
@@ -139,23 +140,24 @@ def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dic
     scheduler.start()
     parent = multiprocessing.parent_process()
     try:
-        while scheduler.alive:
-            if not inbox.poll(POLL_MS):
-                if parent is not None and not parent.is_alive():  # the server is gone: so is its core
+        with frozen_heap():  # what start-up built stays out of the collections serving triggers
+            while scheduler.alive:
+                if not inbox.poll(POLL_MS):
+                    if parent is not None and not parent.is_alive():  # the server is gone: so is its core
+                        break
+                    continue
+                message = inbox.recv_pyobj()
+                if message[0] == "stop":
                     break
-                continue
-            message = inbox.recv_pyobj()
-            if message[0] == "stop":
-                break
-            if message[0] == "submit":
-                try:
-                    scheduler.submit(message[1])
-                except (QueueFull, RuntimeError) as err:  # the HTTP side refuses these first: a race at most
-                    outbox.handle(message[1].request_id).push(Failed(APIError(503, str(err), code="shutting_down")))
-            elif message[0] == "abort":
-                scheduler.abort(message[1])
-            elif message[0] == "fail_all":
-                scheduler.end_drain()
+                if message[0] == "submit":
+                    try:
+                        scheduler.submit(message[1])
+                    except (QueueFull, RuntimeError) as err:  # the HTTP side refuses these first: a race at most
+                        outbox.handle(message[1].request_id).push(Failed(APIError(503, str(err), code="shutting_down")))
+                elif message[0] == "abort":
+                    scheduler.abort(message[1])
+                elif message[0] == "fail_all":
+                    scheduler.end_drain()
     finally:
         scheduler.stop()
         if hasattr(engine, "close"):  # a tensor-parallel engine's ranks

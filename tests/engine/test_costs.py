@@ -93,7 +93,10 @@ def test_a_correction_expires_after_horizon_steps_of_other_shapes():
     for step in range(9):
         correction.observe(1, 8, seconds=1.0, predicted=1.0)
         assert correction.ratio(1, 0) == pytest.approx(2.0 if step < 8 else 1.0)  # the first gone 10 steps on
+        assert correction.seen(1, 0) == (step < 8)  # expired: as never seen (tried in bursts, probed twice)
     for _ in range(2):
         correction.observe(1, 0, seconds=1.1, predicted=1.0)
     assert correction.ratio(1, 0) == pytest.approx(1.1)  # the old 2.0s are gone, not averaged in
     assert correction.ratios[(1, 0)] == (pytest.approx(1.1), 4) and correction.ratio(1, 8) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="horizon >= 1"):
+        StepCorrection(horizon=0)

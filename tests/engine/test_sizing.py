@@ -195,17 +195,59 @@ def test_a_probe_of_a_tree_never_seen_is_two_rounds():
     assert [sizer.choose(1, [request], 0.0, 0) for _ in range(5)] == [0, 1, 1, 0, 0]
 
 
+class Plan:
+    paths, experts = True, False
+
+    def __init__(self, budget):
+        self.budget = budget
+
+
+def learn_round(sizer: TreeSizer, request, size: int, nodes: list[int]) -> None:
+    """Read a tree round of `size` whose accepted path was `nodes` into the sizer, as the engine does."""
+    start = result_width(DEPTH, 0)
+    row = np.full(start + DEPTH + 1, -1, dtype=np.int64)
+    kept = [n for n in nodes if n <= size]
+    row[0] = 1 + len(kept)
+    row[start : start + DEPTH + 1] = path(kept)[0]
+    sizer.learn([request], [0], row[None, :], Plan(size), 0)
+
+
+def run(sizer: TreeSizer, request, rounds: int, nodes: list[int]) -> list[int]:
+    """The sizes of `rounds` choices, each tree round read one step late (the engine's overlap:
+    the next round is chosen before the last one is read)."""
+    sizes, pending = [], None
+    for _ in range(rounds):
+        size = sizer.choose(1, [request], 0.0, 0)
+        if pending:
+            learn_round(sizer, request, pending, nodes)
+        pending = size or None
+        sizes.append(size)
+    return sizes
+
+
 def test_trees_explore_the_next_larger_size_now_and_then():
     sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 1.2, 2: 1.4, 4: 1.8, 8: 3.0, 16: 5.0}),
                              explore_every=4), [1, 2, 3])
     request = FakeRequest()
     for _ in range(2):
         sizer.observe_step(1, 0, 1.0)  # plain steps seen at the table's cost: no plain burst in the way
-    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(120)]
-    # 4 tokens for 1.8 beat 3 for 1.4 and 4 for 3.0; each exploration of 8 that fails doubles the
-    # gap to the next, up to EXPLORE_BACKOFF times explore_every
+    sizes = run(sizer, request, 120, [1, 2, 3])
+    # 4 tokens for 1.8 beat 3 for 1.4 and 4 for 3.0; each exploration of 8 that fails, judged once
+    # its round was read, doubles the gap to the next, up to EXPLORE_BACKOFF times explore_every
     explored = [i + 1 for i, s in enumerate(sizes) if s == 8]
     assert set(sizes) == {4, 8} and explored == [4, 12, 28, 60, 92]
+
+
+def test_an_exploration_is_judged_only_after_its_round_was_read():
+    """Chosen before the explored round is read (overlap), a choice leaves the gap alone, and no
+    other exploration starts before this one is judged."""
+    sizer = taught(TreeSizer(SIZES, DEPTH, costs({0: 1.0, 1: 1.2, 2: 1.4, 4: 1.8, 8: 3.0, 16: 5.0}),
+                             explore_every=4), [1, 2, 3])
+    request = FakeRequest()
+    for _ in range(2):
+        sizer.observe_step(1, 0, 1.0)
+    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(16)]  # no round ever read
+    assert sizes.count(8) == 1 and sizer.state.explore_gap == 4 and sizer.state.explored == 8
 
 
 def test_an_exploration_that_pays_brings_the_next_one_sooner():
@@ -216,14 +258,15 @@ def test_an_exploration_that_pays_brings_the_next_one_sooner():
     request = FakeRequest()
     for _ in range(2):
         sizer.observe_step(1, 0, 1.0)
-    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(16)]
-    assert sizes.count(8) == 2 and set(sizes) == {4, 8} and sizer.state.explore_gap == 16
+    sizes = run(sizer, request, 24, [1, 2, 3])
+    assert set(sizes) == {4, 8} and sizer.state.explore_gap > 4  # backed off
     while sizer.choose(1, [request], 0.0, 0) != 8:
         pass
-    feed(sizer.state.ledger, [1, 2, 3, 4, 5, 6, 7], 8, 64)  # what that round of 8 showed (weighted)
-    sizes = [sizer.choose(1, [request], 0.0, 0) for _ in range(8)]
-    # 8 tokens for 2.2 beat 5 for 1.8; 16 explored 4 tree rounds after 8 was (and failing, backs off)
-    assert sizes == [8, 8, 8, 16, 8, 8, 8, 8] and sizer.state.explore_gap == 8
+    feed(sizer.state.ledger, [1, 2, 3, 4, 5, 6, 7], 8, 64)  # the drafter got good: 8 pays now
+    learn_round(sizer, request, 8, [1, 2, 3, 4, 5, 6, 7])  # the explored round, read
+    sizes = run(sizer, request, 8, [1, 2, 3, 4, 5, 6, 7])
+    # 8 tokens for 2.2 beat 5 for 1.8; the gap back at 4: 16 explored within the next 4 rounds of 8
+    assert sizes[0] == 8 and 16 in sizes[:5] and sizer.state.explore_gap in (4, 8)
 
 
 def test_plain_steps_never_seen_are_tried_in_a_burst_when_they_may_pay():

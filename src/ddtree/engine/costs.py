@@ -166,6 +166,8 @@ class StepCorrection:
 
     def __init__(self, memory: int = 16, min_count: int = 2, limits: tuple[float, float] = (0.5, 4.0),
                  horizon: int = 256):
+        if memory < 1 or min_count < 1 or horizon < 1:
+            raise ValueError(f"need memory, min_count and horizon >= 1, got {memory}, {min_count}, {horizon}")
         self.memory, self.min_count, self.limits, self.horizon = memory, min_count, limits, horizon
         self.ratios: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, size) -> (ratio, steps seen)
         self._recent: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # key -> (step number, ratio)
@@ -196,8 +198,8 @@ class StepCorrection:
         return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
     def seen(self, bucket: int, size: int) -> bool:
-        """Whether steps of exactly `size` at `bucket` were observed min_count times."""
-        return self.ratios.get((bucket, size), (1.0, 0))[1] >= self.min_count
+        """Whether min_count steps of exactly `size` at `bucket` were observed, unexpired."""
+        return self._median((bucket, size), self.min_count) is not None
 
     def _keys(self, bucket: int, size: int) -> list[tuple[int, int]]:
         return [(bucket, size)] + ([(bucket, self.ANY_TREE)] if size > 0 else [])

@@ -33,26 +33,29 @@ class SizerState:
     plain_tried: bucket -> `rounds` at its last plain burst; held: the last choice made in full,
     kept without choosing again while its batch stays as it was (TreeSizer.choose); explore_at:
     `rounds` at which a tree round next takes the next larger size, explore_gap: the rounds
-    between two such, explored: the size the last one took, until a full choice judged it."""
+    between two such, explored: the size the last one took, until a full choice judged it;
+    explore_learned: whether a round of that size has been read into the ledger since (with
+    overlap the next choice comes before the explored round is read)."""
 
     ledger: AcceptanceLedger
     wait: float
+    explore_at: int
+    explore_gap: int
     correction: StepCorrection = field(default_factory=StepCorrection)
     rounds: int = 0
     plain_steps: int = 0
     burst: tuple[int, int] | None = None
     plain_tried: dict[int, int] = field(default_factory=dict)
     held: HeldChoice | None = None
-    explore_at: int = 0
-    explore_gap: int = 0
     explored: int | None = None
+    explore_learned: bool = False
 
     def judge_exploration(self, chosen: int, first_gap: int, most_gap: int) -> None:
         """A tree size chosen in full after an exploration: if the explored size (or a larger one)
         won, explore every first_gap rounds again; if not, half as often as before (every
         most_gap at most)."""
-        if self.explored is None:
-            return
+        if self.explored is None or not self.explore_learned:
+            return  # nothing explored, or its round not yet read: its evidence is not in
         gap = first_gap if chosen >= self.explored else min(2 * self.explore_gap, most_gap)
         self.explore_at += gap - self.explore_gap
-        self.explore_gap, self.explored = gap, None
+        self.explore_gap, self.explored, self.explore_learned = gap, None, False

@@ -210,8 +210,8 @@ class TreeSizer:
         is due, and a plain burst when one is (rates: plain and this size's, per s)."""
         state = self.state
         state.rounds += 1
-        if larger is not None and state.rounds >= state.explore_at:
-            state.explore_at, state.explored = state.rounds + state.explore_gap, larger
+        if larger is not None and state.rounds >= state.explore_at and state.explored is None:  # the last one judged
+            state.explore_at, state.explored, state.explore_learned = state.rounds + state.explore_gap, larger, False
             return larger
         if rates is not None and self._plain_due(bucket, *rates):
             state.plain_tried[bucket] = state.rounds
@@ -270,6 +270,8 @@ class TreeSizer:
         ledger = self.state.ledger
         start = result_width(self.max_depth, moe_layers if plan.experts else 0)  # the paths' columns follow
         ledger.observe(rows[:, start : start + self.max_depth + 1], rows[:, 0], plan.budget)
+        if self.state.explored is not None and plan.budget >= self.state.explored:
+            self.state.explore_learned = True  # the exploration's evidence is in: a choice may judge it
         # Expected from the ledger with this round in it (1 / memory of its weight): one
         # computation of the rates shared with the next choice.
         verified = min(plan.budget, ledger.largest)

@@ -1,6 +1,7 @@
 """The engine over 2 gloo ranks, rank 0 driving (Engine.from_pretrained(tensor_parallel=2)): what
 it generates in ar, chain, ddtree and auto, greedy and seeded, with 16-bit and INT4 experts, is
-token for token what one process generates; a rank that dies fails the next step with an error."""
+token for token what one process generates; a rank that dies, or hangs, fails the next step with
+an error (the hung one within DDTREE_TP_TIMEOUT_S)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,35 @@ def test_a_dead_rank_fails_the_next_step(checkpoints):
             engine.generate(prompts(1, 96, seed=1), max_new_tokens=4, mode="ar")
     finally:
         engine.close()  # tolerates the dead follower
+
+
+def test_a_hung_rank_fails_the_step_within_the_timeout(checkpoints, monkeypatch):
+    """A rank that stops answering (SIGSTOP: alive, silent) fails the next step with an error
+    within DDTREE_TP_TIMEOUT_S, rather than hanging."""
+    import os
+    import signal
+    import time
+
+    monkeypatch.setenv("DDTREE_TP_TIMEOUT_S", "6")
+    engine = Engine.from_pretrained(checkpoints / "bf16", checkpoints / "drafter", tensor_parallel=2, device="cpu",
+                                    dtype=torch.float32, **SETTINGS)
+    follower = engine.ranks.processes.processes[0]
+    try:
+        os.kill(follower.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="a tensor-parallel rank is gone .its process died or stopped answering."):
+            engine.generate(prompts(1, 96, seed=1), max_new_tokens=4, mode="ar")
+        assert time.monotonic() - start < 30  # the 6 s timeout, not the default 120 s, nor forever
+    finally:
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join()
+        engine.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon"])
+def test_a_bad_rank_timeout_is_one_clear_error(value, monkeypatch):
+    from ddtree.parallel.launch import rank_timeout
+
+    monkeypatch.setenv("DDTREE_TP_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"DDTREE_TP_TIMEOUT_S must be a positive number of seconds, got '{value}'"):
+        rank_timeout()

@@ -7,6 +7,7 @@ and follow rank 0's device calls (parallel/relay.py) until it releases them.
 from __future__ import annotations
 
 import atexit
+import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,7 +21,20 @@ from ..engine.loading import load_pair
 from .relay import Relay, follow
 from .shard import Shard
 
-TIMEOUT = timedelta(seconds=120)  # a rank that stops answering fails every other rank's call after this
+TIMEOUT_S = 120.0  # a rank that stops answering fails every other rank's call after this (DDTREE_TP_TIMEOUT_S)
+
+
+def rank_timeout() -> timedelta:
+    """How long a collective or a relayed call waits for a silent rank: DDTREE_TP_TIMEOUT_S
+    seconds (the ranks inherit the environment), else TIMEOUT_S."""
+    text = os.environ.get("DDTREE_TP_TIMEOUT_S", "")
+    try:
+        seconds = float(text) if text else TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"DDTREE_TP_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return timedelta(seconds=seconds)
 
 
 @dataclass
@@ -40,7 +54,7 @@ class Ranks:
         try:
             self.relay.close()
         except RuntimeError:
-            pass  # a rank already gone: the others' calls fail on their own within TIMEOUT
+            pass  # a rank already gone: the others' calls fail on their own within rank_timeout()
         finally:
             if self.processes is not None:
                 try:
@@ -61,8 +75,9 @@ def _join(rank: int, world: int, address: str, backend: str) -> tuple[Shard, obj
     """Join the process group; returns (this rank's Shard, the gloo group that carries the relay)."""
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world, timeout=TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else dist.group.WORLD
+    timeout = rank_timeout()
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=world, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     return Shard(rank, world, dist.group.WORLD), control
 
 

@@ -93,3 +93,62 @@ def test_a_bad_rank_timeout_is_one_clear_error(value, monkeypatch):
     monkeypatch.setenv("DDTREE_TP_TIMEOUT_S", value)
     with pytest.raises(ValueError, match=f"DDTREE_TP_TIMEOUT_S must be a positive number of seconds, got '{value}'"):
         rank_timeout()
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (from /proc)."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def test_a_lost_rank_ends_the_server_with_its_error(checkpoints):
+    """`ddtree serve --tensor-parallel 2`'s engine-core process with its follower killed: the
+    request fails with 503 engine_dead naming the lost rank, the server is told to end (on_death),
+    and the core process exits (its ranks with it)."""
+    import functools
+    import os
+    import signal
+    import threading
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from ddtree.server.app import ServerConfig, create_app, engine_facts
+    from ddtree.server.engine_core import EngineCore
+
+    from ..server.harness import LiveServer
+
+    build = functools.partial(Engine.from_pretrained, str(checkpoints / "bf16"), str(checkpoints / "drafter"),
+                              tensor_parallel=2, device="cpu", dtype=torch.float32, **SETTINGS)
+    core = EngineCore(build, engine_facts, max_queue=8)
+    core.launch()
+    died = threading.Event()
+    core.on_death = died.set
+    try:
+        with LiveServer(create_app(core, ServerConfig(model_name="tiny", default_mode="ar"))) as live:
+            followers = _children(core.pid)
+            assert followers, "the core started no rank"
+            for pid in followers:
+                os.kill(pid, signal.SIGKILL)
+            answer = httpx.post(f"{live.url}/v1/completions", json={"prompt": [5, 9, 11], "max_tokens": 4},
+                                timeout=120)
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_dead", answer.text
+            assert "a tensor-parallel rank is gone" in answer.json()["error"]["message"]
+            assert died.wait(10) and "a tensor-parallel rank is gone" in core.died
+            deadline = time.monotonic() + 30
+            while core._process.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not core._process.is_alive() and core._process.exitcode == 1
+    finally:
+        core.stop(timeout_s=5)

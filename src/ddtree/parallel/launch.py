@@ -51,16 +51,20 @@ class Ranks:
         if self.released:
             return
         self.released = True
+        lost = False
         try:
             self.relay.close()
         except RuntimeError:
-            pass  # a rank already gone: the others' calls fail on their own within rank_timeout()
+            lost = True  # a rank gone or hung: the others cannot be released in order
         finally:
             if self.processes is not None:
+                if lost:  # a hung follower would hold the join: end them all
+                    for process in self.processes.processes:
+                        process.kill()
                 try:
                     self.processes.join(timeout=60)
                 except mp.ProcessExitedException:
-                    pass  # a follower that died: its error was the engine's error
+                    pass  # a follower that died (or was ended here): its error was the engine's error
             if dist.is_initialized():
                 dist.destroy_process_group()
 

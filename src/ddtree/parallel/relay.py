@@ -16,6 +16,10 @@ import torch.distributed as dist
 STOP = "stop"
 
 
+class RankLost(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on (a server ends)."""
+
+
 class Relay:
     """Rank 0's sending side; group: the gloo process group of all ranks."""
 
@@ -29,7 +33,7 @@ class Relay:
         try:
             dist.broadcast_object_list([(op, args)], src=0, group=self.group)
         except (RuntimeError, dist.DistError) as err:
-            raise RuntimeError(f"a tensor-parallel rank is gone (its process died or stopped answering), so this "
+            raise RankLost(f"a tensor-parallel rank is gone (its process died or stopped answering), so this "
                                f"engine cannot continue: {err}") from err
 
     def close(self) -> None:

@@ -160,8 +160,12 @@ def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dic
                     scheduler.end_drain()
     finally:
         scheduler.stop()
+        if scheduler.fatal is not None:  # the HTTP side ends the server with this line
+            outbox_socket.send_pyobj(("died", scheduler.fatal))
         if hasattr(engine, "close"):  # a tensor-parallel engine's ranks
             engine.close()
         outbox_socket.close(linger=2000)
         inbox.close(linger=0)
         context.term()
+    if scheduler.fatal is not None:
+        raise SystemExit(1)

@@ -207,7 +207,10 @@ class EngineCore:
     def _receive_one(self) -> bool:
         """Route one message, or notice that the core died; False: nothing more will come."""
         if self._from_core.poll(POLL_MS):
-            _, events, updates, snapshot = self._from_core.recv_pyobj()
+            message = self._from_core.recv_pyobj()
+            if message[0] == "died":  # the core's engine cannot go on (a tensor-parallel rank lost)
+                return self._died(message[1])
+            _, events, updates, snapshot = message
             self._route(events)
             self.snapshot = {**snapshot, "queued": len(self._waiting)}
             if self.metrics is not None:
@@ -215,14 +218,18 @@ class EngineCore:
                     getattr(getattr(self.metrics, name), method)(value)
                 self.metrics.publish(self.snapshot)
         elif not self._process.is_alive() and not self._stopping.is_set():
-            self.died = f"the engine process stopped unexpectedly (exit code {self._process.exitcode})"
-            log.error("%s; failing the requests it held", self.died)
-            self._fail_all(APIError(503, f"{self.died}; this server is shutting down", code="engine_dead"))
-            self.snapshot = {**self.snapshot, "running": 0, "live": 0}
-            if self.on_death is not None:
-                self.on_death()
-            return False
+            return self._died(f"the engine process stopped unexpectedly (exit code {self._process.exitcode})")
         return True
+
+    def _died(self, why: str) -> bool:
+        """The core can serve no more: fail what it held, say why, end the server (on_death)."""
+        self.died = why
+        log.error("%s; failing the requests it held", why)
+        self._fail_all(APIError(503, f"{why}; this server is shutting down", code="engine_dead"))
+        self.snapshot = {**self.snapshot, "running": 0, "live": 0}
+        if self.on_death is not None:
+            self.on_death()
+        return False
 
     def _route(self, events) -> None:
         stopped = []

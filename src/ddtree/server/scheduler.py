@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.pages import KVCacheFull
+from ..parallel.relay import RankLost
 from .errors import APIError, internal_error
 from .jobs import Accepted, Chunk, Failed, Handle, Job, Usage
 from .limits import Limits
@@ -71,6 +72,7 @@ class Scheduler:
         self._queued = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.fatal: str | None = None  # why the loop ended on its own (a tensor-parallel rank lost)
         self.snapshot: dict = {}
         self._publish()
 
@@ -139,6 +141,12 @@ class Scheduler:
                 if self.engine.has_unfinished() and not self._stop.is_set():
                     self._step()
                 self._expire()
+            except RankLost as err:  # no step can run again: fail everything and end (the server ends with it)
+                self.fatal = str(err)
+                log.error("scheduler: %s; failing every request", err)
+                for rid in list(self._live):
+                    self._fail(rid, APIError(503, f"{err}; this server is shutting down", code="engine_dead"))
+                self._stop.set()  # this turn's failures still go out below
             except Exception:  # a bug outside any one request: never let the thread die silently
                 log.exception("scheduler: unexpected error; failing the requests in flight")
                 for rid in list(self._live):
@@ -249,6 +257,9 @@ class Scheduler:
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except RankLost:
+            self.metrics.engine_failures.inc()
+            raise
         except Exception:
             self.metrics.engine_failures.inc()
             self._fail_running()

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from ddtree import Engine  # noqa: E402
+from ddtree.parallel.relay import RankLost  # noqa: E402
 
 from ..engine.pairs import prompts  # noqa: E402
 
@@ -70,16 +71,18 @@ def test_a_hung_rank_fails_the_step_within_the_timeout(checkpoints, monkeypatch)
     import signal
     import time
 
-    monkeypatch.setenv("DDTREE_TP_TIMEOUT_S", "6")
+    monkeypatch.setenv("DDTREE_TP_TIMEOUT_S", "20")  # the ranks' start-up under a loaded CI machine fits in it
     engine = Engine.from_pretrained(checkpoints / "bf16", checkpoints / "drafter", tensor_parallel=2, device="cpu",
                                     dtype=torch.float32, **SETTINGS)
     follower = engine.ranks.processes.processes[0]
     try:
         os.kill(follower.pid, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="a tensor-parallel rank is gone .its process died or stopped answering."):
+        # the relayed call's send, or a collective of rank 0's own part, times out first
+        lost = "a tensor-parallel (rank is gone|.* failed on rank 0, so the ranks are out of step)"
+        with pytest.raises(RankLost, match=lost):
             engine.generate(prompts(1, 96, seed=1), max_new_tokens=4, mode="ar")
-        assert time.monotonic() - start < 30  # the 6 s timeout, not the default 120 s, nor forever
+        assert time.monotonic() - start < 60  # the 20 s timeout, not the default 120 s, nor forever
     finally:
         os.kill(follower.pid, signal.SIGKILL)
         follower.join()

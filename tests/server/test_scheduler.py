@@ -79,3 +79,44 @@ def test_the_scheduler_thread_takes_the_process_thread_count(monkeypatch):
     scheduler.start()
     scheduler.stop()
     assert calls == [("ddtree-scheduler", torch.get_num_threads())]
+
+
+def test_a_lost_rank_fails_every_request_and_ends_the_loop(pairs, monkeypatch):
+    """engine.step raising RankLost (a tensor-parallel rank gone): the request fails with 503
+    engine_dead naming it, the loop ends on its own and calls on_fatal (one process ends the
+    server there), and later submissions are refused."""
+    import pytest
+
+    from ddtree import Engine
+    from ddtree.parallel.relay import RankLost
+
+    from .conftest import ENGINE_ARGS
+
+    engine = Engine.from_pretrained(pairs["target_chat"], pairs["drafter"], max_batch=1, **ENGINE_ARGS)
+
+    def lost():
+        raise RankLost("a tensor-parallel rank is gone (its process died or stopped answering)")
+
+    monkeypatch.setattr(engine, "step", lost)
+    scheduler = Scheduler(engine, Metrics(), idle_wait_s=0.01)
+    ended = threading.Event()
+    scheduler.on_fatal = ended.set
+    scheduler.start()
+
+    async def submit_and_wait():
+        handle = scheduler.submit(Job("cmpl-lost", "x", None, 4, {"temperature": 0.0}, "ar", 1),
+                                  asyncio.get_running_loop())
+        events = [await asyncio.wait_for(handle.next(), 10)]
+        while not isinstance(events[-1], Failed):
+            events.append(await asyncio.wait_for(handle.next(), 10))
+        return events[-1]
+
+    try:
+        event = asyncio.run(submit_and_wait())
+        assert isinstance(event, Failed) and (event.error.status, event.error.code) == (503, "engine_dead")
+        assert "a tensor-parallel rank is gone" in event.error.message
+        assert ended.wait(5) and "rank is gone" in scheduler.fatal and not scheduler.alive
+        with pytest.raises(RuntimeError):
+            asyncio.run(submit_and_wait())
+    finally:
+        scheduler.stop(5)

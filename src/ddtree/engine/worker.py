@@ -9,6 +9,8 @@ traffic is what rank 0 sends.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .batch import BatchState, SlotSettings
@@ -33,39 +35,39 @@ class Worker:
         self.prefill_graphs = (PrefillGraphs(ctx, state, graphs.pool if capturable else None, prefill_chunk)
                                if self.device.type == "cuda" else None)
 
-    def _send(self, op: str, *args) -> None:
-        if self.relay is not None:
-            self.relay.send(op, *args)
+    def _call(self, op: str, *args):
+        """Around rank 0's part of a call: the call sent to the other ranks first (parallel.relay)."""
+        return self.relay.call(op, *args) if self.relay is not None else contextlib.nullcontext()
 
     def occupy(self, slot: int, settings: SlotSettings) -> None:
         """A request takes `slot` (BatchState.occupy)."""
-        self._send("occupy", slot, settings)
-        self.state.occupy(slot, settings)
+        with self._call("occupy", slot, settings):
+            self.state.occupy(slot, settings)
 
     def vacate(self, slot: int) -> None:
-        self._send("vacate", slot)
-        self.state.vacate(slot)
+        with self._call("vacate", slot):
+            self.state.vacate(slot)
 
     def prefill(self, table: torch.Tensor, slots: list[int], prompts: list[list[int]], sampled: bool,
                 filtered: bool) -> torch.Tensor:
         """The block table (host int32 [max_batch, pages]) in place, then the prompts prefilled into
         `slots` (engine/prefill.py); returns the first tokens int64 [len(slots)] on the device."""
-        self._send("prefill", table, slots, prompts, sampled, filtered)
-        self.state.block_table.copy_(self._pinned(table), non_blocking=True)
-        if self.prefill_graphs is not None and self.prefill_graphs.covers(prompts):
-            return self.prefill_graphs.prefill(slots, prompts, sampled, filtered)
-        return prefill(self.ctx, self.state, slots, prompts, self.prefill_chunk, any_sampled=sampled,
-                       any_filtered=filtered)
+        with self._call("prefill", table, slots, prompts, sampled, filtered):
+            self.state.block_table.copy_(self._pinned(table), non_blocking=True)
+            if self.prefill_graphs is not None and self.prefill_graphs.covers(prompts):
+                return self.prefill_graphs.prefill(slots, prompts, sampled, filtered)
+            return prefill(self.ctx, self.state, slots, prompts, self.prefill_chunk, any_sampled=sampled,
+                           any_filtered=filtered)
 
     def round(self, table: torch.Tensor, plan: RoundPlan, timer: StageTimer | None = None) -> torch.Tensor:
         """The first plan.bucket rows of the block table (host int32) in place, then one round
         (replayed from its CUDA graph where there is one); returns its int64 result on the device."""
-        self._send("round", table, plan)
-        timer = timer or StageTimer(self.device, enabled=False)
-        self.state.block_table[: plan.bucket].copy_(self._pinned(table), non_blocking=True)
-        if self.graphs is not None:
-            return self.graphs.run(plan, timer)
-        return run_round(self.ctx, self.state, plan, self.max_depth, timer)
+        with self._call("round", table, plan):
+            timer = timer or StageTimer(self.device, enabled=False)
+            self.state.block_table[: plan.bucket].copy_(self._pinned(table), non_blocking=True)
+            if self.graphs is not None:
+                return self.graphs.run(plan, timer)
+            return run_round(self.ctx, self.state, plan, self.max_depth, timer)
 
     def _pinned(self, table: torch.Tensor) -> torch.Tensor:
         """On CUDA a page-locked snapshot of a host table (the host may change it afterwards; a

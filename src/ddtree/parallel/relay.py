@@ -11,13 +11,17 @@ or collective fail within the group's timeout, with the error it raised: nothing
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch.distributed as dist
 
 STOP = "stop"
 
 
 class RankLost(RuntimeError):
-    """A tensor-parallel rank died or stopped answering: the engine cannot go on (a server ends)."""
+    """A tensor-parallel rank died or stopped answering, or a relayed call failed on rank 0: the
+    ranks are out of step and the engine cannot go on (a server ends)."""
 
 
 class Relay:
@@ -35,6 +39,20 @@ class Relay:
         except (RuntimeError, dist.DistError) as err:
             raise RankLost(f"a tensor-parallel rank is gone (its process died or stopped answering), so this "
                                f"engine cannot continue: {err}") from err
+
+    @contextlib.contextmanager
+    def call(self, op: str, *args) -> Iterator[None]:
+        """Send `op` to the other ranks, then run rank 0's own part in the body: any error there
+        (a collective timed out on a silent rank, say) leaves the ranks out of step, so it is
+        RankLost too."""
+        self.send(op, *args)
+        try:
+            yield
+        except RankLost:
+            raise
+        except Exception as err:
+            raise RankLost(f"a tensor-parallel {op} failed on rank 0, so the ranks are out of step and this engine "
+                           f"cannot continue: {err}") from err
 
     def close(self) -> None:
         """Release the other ranks (their follow loops return)."""

@@ -220,9 +220,12 @@ def _run(sockets, args, keys, limits, engine, facts) -> int:
           f"{'' if args.single_process else f', engine process {engine.pid}'}; {urls(sockets)}",
           file=sys.stderr, flush=True)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    scheduler = app.state.ddtree.scheduler
+    if args.single_process:  # a lost tensor-parallel rank ends the server as a dead core does
+        scheduler.on_fatal = _exit_on_signal
     with frozen_heap():  # the app, and with --single-process the engine, out of the collections serving triggers
-        DrainingServer(uv, app.state.ddtree.scheduler, args.drain_seconds).run(sockets=sockets)
-    died = getattr(engine, "died", None)
+        DrainingServer(uv, scheduler, args.drain_seconds).run(sockets=sockets)
+    died = getattr(engine, "died", None) or getattr(scheduler, "fatal", None)
     if died:
         print(f"ddtree serve: error: {died}", file=sys.stderr, flush=True)
         return 1
@@ -230,7 +233,8 @@ def _run(sockets, args, keys, limits, engine, facts) -> int:
 
 
 def _exit_on_signal() -> None:
-    """The engine process died: shut the server down as SIGTERM would (its requests have failed)."""
+    """The engine process died (or, in one process, lost a rank): shut the server down as SIGTERM
+    would (its requests have failed)."""
     import os
     import signal
 

@@ -73,6 +73,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.fatal: str | None = None  # why the loop ended on its own (a tensor-parallel rank lost)
+        self.on_fatal = None  # called (scheduler thread) once the loop ended on its own: one process ends the server
         self.snapshot: dict = {}
         self._publish()
 
@@ -160,6 +161,8 @@ class Scheduler:
         self._publish()
         if self.on_turn is not None:
             self.on_turn(self.snapshot)
+        if self.fatal is not None and self.on_fatal is not None:
+            self.on_fatal()
 
     def _drain(self, block: bool) -> None:
         try:

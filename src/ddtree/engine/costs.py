@@ -169,7 +169,9 @@ class StepCorrection:
         if memory < 1 or min_count < 1 or horizon < 1:
             raise ValueError(f"need memory, min_count and horizon >= 1, got {memory}, {min_count}, {horizon}")
         self.memory, self.min_count, self.limits, self.horizon = memory, min_count, limits, horizon
-        self.ratios: dict[tuple[int, int], tuple[float, int]] = {}  # (bucket, size) -> (ratio, steps seen)
+        # (bucket, size) -> (the median of its unexpired readings at its last one, steps ever seen): a
+        # report; ratio() is what the sizer uses (it drops readings that expired since)
+        self.ratios: dict[tuple[int, int], tuple[float, int]] = {}
         self._recent: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # key -> (step number, ratio)
         self._steps = 0  # steps observed, of any shape
 

@@ -211,7 +211,7 @@ class TreeSizer:
         state = self.state
         state.rounds += 1
         if larger is not None and state.rounds >= state.explore_at and state.explored is None:  # the last one judged
-            state.explore_at, state.explored, state.explore_learned = state.rounds + state.explore_gap, larger, False
+            state.explore_at, state.explored = state.rounds + state.explore_gap, larger  # judged: not learned yet
             return larger
         if rates is not None and self._plain_due(bucket, *rates):
             state.plain_tried[bucket] = state.rounds

@@ -38,7 +38,7 @@ class Relay:
             dist.broadcast_object_list([(op, args)], src=0, group=self.group)
         except (RuntimeError, dist.DistError) as err:
             raise RankLost(f"a tensor-parallel rank is gone (its process died or stopped answering), so this "
-                               f"engine cannot continue: {err}") from err
+                           f"engine cannot continue: {err}") from err
 
     @contextlib.contextmanager
     def call(self, op: str, *args) -> Iterator[None]:

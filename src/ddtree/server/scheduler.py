@@ -260,11 +260,10 @@ class Scheduler:
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
-        except RankLost:
+        except Exception as err:
             self.metrics.engine_failures.inc()
-            raise
-        except Exception:
-            self.metrics.engine_failures.inc()
+            if isinstance(err, RankLost):
+                raise  # no step can run again: the loop ends (_run)
             self._fail_running()
             return
         now = time.perf_counter()

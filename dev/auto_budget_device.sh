@@ -39,9 +39,9 @@ for part in "$@"; do
     continuous) mkdir -p "$out/continuous" && timeout "${DEMO_S:-420}" python3 benchmarks/auto_budget.py --pair demo \
                   --passes "${PASSES:-5}" --schedule continuous --out-dir "$out/continuous" 2>&1 \
                   | tee "$out/continuous/demo.log" | grep -v "^|" | grep -v "measuring round costs" ;;
-    moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \
+    moonlight) python3 benchmarks/auto_budget.py --pair moonlight-16b-a3b --wrong --warmup-new 32 --passes "${PASSES:-3}" --out-dir "$out" 2>&1 \
                  | tee "$out/moonlight.log" | grep -v "^|" ;;
-    kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --passes 2 --out-dir "$out" 2>&1 \
+    kimi) python3 benchmarks/auto_budget.py --pair kimi-k2 --layers 4 --wrong --warmup-new 32 --passes "${PASSES:-3}" --out-dir "$out" 2>&1 \
             | tee "$out/kimi.log" | grep -v "^|" ;;
     servevsengine) # needs the serving wheels carried in .whl/ (docs/notes/server.md), pyzmq's among them
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \

@@ -100,3 +100,34 @@ def test_a_correction_expires_after_horizon_steps_of_other_shapes():
     assert correction.ratios[(1, 0)] == (pytest.approx(1.1), 4) and correction.ratio(1, 8) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="horizon >= 1"):
         StepCorrection(horizon=0)
+
+
+def test_a_correction_read_between_readings_equals_one_computed_afresh():
+    """Ratios read (and cached) between random readings of several shapes, with readings expiring,
+    equal the median computed from every reading so far."""
+    import random
+
+    rng = random.Random(7)
+    memory, min_count, horizon = 5, 2, 12
+    correction = StepCorrection(memory=memory, min_count=min_count, horizon=horizon)
+    shapes = [(1, 0), (1, 4), (1, 8), (8, 0)]
+    readings = []  # (step, bucket, size, ratio)
+
+    def afresh(bucket, size):
+        step = len(readings)
+        for key_size in [size] + ([StepCorrection.ANY_TREE] if size > 0 else []):
+            mine = [r for s, b, z, r in readings if b == bucket and (z == key_size or (key_size < 0 and z > 0))]
+            steps = [s for s, b, z, r in readings if b == bucket and (z == key_size or (key_size < 0 and z > 0))]
+            kept = sorted(r for s, r in zip(steps[-memory:], mine[-memory:]) if s > step - horizon)
+            if len(kept) >= min_count:
+                half = len(kept) // 2
+                return kept[half] if len(kept) % 2 else (kept[half - 1] + kept[half]) / 2
+        return 1.0
+
+    for _ in range(400):
+        bucket, size = shapes[rng.randrange(len(shapes))] if rng.random() < 0.9 else (1, 16)
+        ratio = round(rng.uniform(0.6, 3.5), 3)
+        correction.observe(bucket, size, seconds=ratio, predicted=1.0)
+        readings.append((len(readings) + 1, bucket, size, ratio))
+        for b, z in shapes + [(1, 16), (8, 4)]:
+            assert correction.ratio(b, z) == pytest.approx(afresh(b, z)), (len(readings), b, z)

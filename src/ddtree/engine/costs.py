@@ -173,6 +173,9 @@ class StepCorrection:
         # report; ratio() is what the sizer uses (it drops readings that expired since)
         self.ratios: dict[tuple[int, int], tuple[float, int]] = {}
         self._recent: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # key -> (step number, ratio)
+        # key -> (unexpired readings, their median, the step count at which the oldest expires):
+        # a plain run reads its ratio three times a step, sorting only when a reading comes or goes
+        self._summaries: dict[tuple[int, int], tuple[int, float | None, float]] = {}
         self._steps = 0  # steps observed, of any shape
 
     def observe(self, bucket: int, size: int, seconds: float, predicted: float) -> None:
@@ -180,6 +183,7 @@ class StepCorrection:
         self._steps += 1
         for key in self._keys(bucket, size):
             self._recent.setdefault(key, deque(maxlen=self.memory)).append((self._steps, ratio))
+            self._summaries.pop(key, None)
             self.ratios[key] = (self._median(key, 1), self.ratios.get(key, (1.0, 0))[1] + 1)
 
     def ratio(self, bucket: int, size: int) -> float:
@@ -193,11 +197,19 @@ class StepCorrection:
 
     def _median(self, key: tuple[int, int], least: int) -> float | None:
         """The median of `key`'s unexpired observations; None for fewer than `least`."""
-        ordered = sorted(r for step, r in self._recent.get(key, ()) if step > self._steps - self.horizon)
-        if len(ordered) < least:
-            return None
+        summary = self._summaries.get(key)
+        if summary is None or self._steps >= summary[2]:
+            summary = self._summaries[key] = self._summarize(key)
+        return summary[1] if summary[0] >= least else None
+
+    def _summarize(self, key: tuple[int, int]) -> tuple[int, float | None, float]:
+        unexpired = [(step, r) for step, r in self._recent.get(key, ()) if step > self._steps - self.horizon]
+        if not unexpired:
+            return 0, None, float("inf")
+        ordered = sorted(r for _, r in unexpired)
         half = len(ordered) // 2
-        return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+        median = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+        return len(ordered), median, unexpired[0][0] + self.horizon
 
     def seen(self, bucket: int, size: int) -> bool:
         """Whether min_count steps of exactly `size` at `bucket` were observed, unexpired."""

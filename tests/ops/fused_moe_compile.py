@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -77,9 +78,9 @@ def all_reports() -> dict[str, dict]:
     tiles = dict(tiles, DIRECT=False)
     int4 = dict(tiles, W4=True, EVEN_K=True)  # Kimi K2.6's hidden and inter are multiples of BLOCK_K
     block_n, block_k = fused_moe.INT4_ROWS_TILES
-    rows = dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP=32, DOT_F32=False, PRECISION="tf32", EVEN_K=True,
-                SHARED_N=max(16, block_n))
+    rows = dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP=32, EVEN_K=True)
     rows_launch = dict(num_warps=fused_moe.INT4_ROWS_WARPS, num_stages=fused_moe.NUM_STAGES)
+    index_i64 = dict(index, block_expert_ptr="*i64")
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
                                 dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
@@ -94,10 +95,12 @@ def all_reports() -> dict[str, dict]:
         "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
         # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two
         "gate_up_rows": compile_report(moe_int4_rows.gate_up_rows_kernel,
-                                       dict(gate_up_pointers, w_ptr="*i32", block_expert_ptr="*i64"),
+                                       dict(x_ptr=dtype, w_ptr="*i32", gu_ptr="*fp32", scale_ptr=dtype, **index_i64),
                                        dict(rows, ROWS=1, DIRECT=True), **rows_launch),
-        "down_rows": compile_report(moe_int4_rows.down_rows_kernel, dict(down_pointers, w_ptr="*i32"),
-                                    dict(rows, ROWS=2, DIRECT=False), **rows_launch),
+        "down_rows": compile_report(moe_int4_rows.down_rows_kernel,
+                                    dict(gu_ptr="*fp32", w_ptr="*i32", weights_ptr="*fp32", y_ptr="*fp32",
+                                         scale_ptr=dtype, **index),
+                                    dict(rows, ROWS=2, DIRECT=False, DTYPE=tl.bfloat16), **rows_launch),
         "sum": compile_report(fused_moe_kernels.sum_choices_kernel, dict(y_ptr="*fp32", ids_ptr="*i64", out_ptr=dtype),
                               dict(TOP_K=8, SHARED=1, BLOCK=fused_moe.SUM_BLOCK), num_warps=fused_moe.NUM_WARPS),
     }

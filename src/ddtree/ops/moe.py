@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from .int4 import PackedInt4, dequantize_int4
 from .launch import DTYPES, dot_flags, launch_flags, require_kernel_device
-from .moe_int4_rows import SHARED_M, down_rows_kernel, gate_up_rows_kernel
+from .moe_int4_rows import down_rows_kernel, gate_up_rows_kernel
 from .moe_kernels import down_kernel, gate_up_kernel, sum_choices_kernel
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 
@@ -57,7 +58,9 @@ INT4_ROWS_TILES = (16, 256)
 INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
+SHARED_M = 16  # tokens per shared-expert program beside the INT4 row kernels (tl.dot's minimum)
 
 
 def block_m_for(num_pairs: int, num_experts: int, int4: bool = False) -> int:
@@ -82,6 +85,9 @@ class Workspace:
     block_expert: torch.Tensor  # int32 [max_blocks]
     h: torch.Tensor  # x.dtype [P + S * T, inter]: silu(gate) * up per routed pair, then per (shared, token)
     y: torch.Tensor  # float32 [P + S * T, hidden]: weighted expert output, rows as h
+    # float32 [P, 2 * inter] for INT4 experts ([0, 2 * inter] otherwise): the row kernels' gate and
+    # up per routed pair (their h rows stay unused)
+    gu: torch.Tensor
 
     @classmethod
     def empty(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -95,7 +101,8 @@ class Workspace:
         return cls(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
                    torch.empty(blocks, dtype=torch.int32, device=device),
                    torch.empty(rows, inter, dtype=dtype, device=device),
-                   torch.empty(rows, hidden, dtype=torch.float32, device=device))
+                   torch.empty(rows, hidden, dtype=torch.float32, device=device),
+                   torch.empty(pairs if int4 else 0, 2 * inter, dtype=torch.float32, device=device))
 
 
 @dataclass
@@ -251,8 +258,8 @@ def fused_moe(
     if workspace is None:
         workspace = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m, num_shared, int4)
     else:
-        want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m, num_shared)
-        for name in ("sorted_pairs", "block_expert", "h", "y"):
+        want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m, num_shared, int4)
+        for name in ("sorted_pairs", "block_expert", "h", "y") + (("gu",) if block_m < 16 else ()):
             got, need = getattr(workspace, name), getattr(want, name)
             if got.shape != need.shape or got.dtype != need.dtype or got.device != x.device or not got.is_contiguous():
                 raise ValueError(f"workspace.{name} must be a contiguous {need.dtype} {list(need.shape)} on "
@@ -271,14 +278,30 @@ def fused_moe(
 
 def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws: Workspace, shared,
             num_shared, block_m, block_n, block_k, pdl) -> None:
-    """The two GEMM kernels, into ws.y; blocks None: direct mode, one routed program per pair, experts from ids."""
-    tokens, hidden = x.shape
-    experts, _, inter = expert_shape(w_gate_up)
-    top_k, num_pairs = weights.shape[1], ids.numel()
-    routed_blocks = num_pairs if blocks is None else blocks.block_expert.numel()
+    """The two GEMMs' launches, into ws.y; blocks None: direct mode, one routed program per pair,
+    experts from ids."""
+    routed_blocks = ids.numel() if blocks is None else blocks.block_expert.numel()
     block_expert = ids if blocks is None else blocks.block_expert
-    rows = block_m < 16  # INT4 experts through the row kernels; shared experts in tiles of SHARED_M tokens
-    token_blocks = triton.cdiv(tokens, SHARED_M if rows else block_m)
+    if block_m >= 16:
+        _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws, shared, num_shared, routed_blocks, block_m,
+                    block_n, block_k, pdl, direct=blocks is None)
+        return
+    # INT4 experts through the row kernels; the shared experts in tl.dot launches of their own, so
+    # that the row kernels' programs hold no tl.dot tiles (registers, shared memory)
+    _launch_rows(x, w_gate_up, w_down, weights, blocks, block_expert, ws, routed_blocks, block_m, block_n, block_k, pdl)
+    if num_shared:
+        shared_tiles = tiles_for(num_shared * x.shape[0], ws.h.shape[1])
+        _launch_dot(x, x, x, weights, None, ws, shared, num_shared, 0, SHARED_M, *shared_tiles, pdl)
+
+
+def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shared, num_shared, routed_blocks,
+                block_m, block_n, block_k, pdl, direct=False) -> None:
+    """moe_kernels' two tl.dot kernels: routed_blocks routed programs (none: the shared experts alone,
+    with x standing in for the routed weights), then num_shared * token blocks shared ones."""
+    tokens, hidden = x.shape
+    inter = ws.h.shape[1]
+    experts, top_k, num_pairs = (expert_shape(w_gate_up)[0] if routed_blocks else 0), weights.shape[1], weights.numel()
+    token_blocks = triton.cdiv(tokens, block_m)
     programs = routed_blocks + num_shared * token_blocks  # shared programs follow the routed blocks
     int4 = isinstance(w_gate_up, PackedInt4)
     # per weight: (the routed weight, its scale, stride per expert, per row, and the scale's two)
@@ -286,27 +309,42 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
                     else (w, w, *w.stride()[:2], 0, 0) for w in (w_gate_up, w_down))
     # without shared experts their branch never runs, but it compiles: a stand-in of the activations' dtype
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
-    flags = dict(**dot_flags(x.dtype), DIRECT=blocks is None, GROUP=w_gate_up.group_size if int4 else 32,
+    block_expert = ws.block_expert if block_expert is None else block_expert
+    flags = dict(**dot_flags(x.dtype), DIRECT=direct, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
                  EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, **launch_flags(x.device, pdl))
-    tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=INT4_ROWS_WARPS if rows else NUM_WARPS,
-                 num_stages=NUM_STAGES)
-    if rows:
-        gate_up_launch, down_launch = gate_up_rows_kernel, down_rows_kernel
-        tiles.update(ROWS=block_m, SHARED_N=max(16, block_n))
-    else:
-        gate_up_launch, down_launch, tiles["BLOCK_M"] = gate_up_kernel, down_kernel, block_m
-        flags["W4"] = int4
-    gate_up_launch[(programs, triton.cdiv(inter, block_n))](
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
         num_pairs, experts, tokens, top_k, hidden, inter, routed_blocks, token_blocks,
         x.stride(0), up_w[2], up_w[3], ws.h.stride(0), gate.stride(0), up_w[4], up_w[5],
         **tiles, **flags,
     )
-    down_launch[(programs, triton.cdiv(hidden, block_n))](
+    down_kernel[(programs, triton.cdiv(hidden, block_n))](
         ws.h, down_w[0], weights, ws.sorted_pairs, block_expert, ws.y, down, down_w[1],
         num_pairs, experts, tokens, inter, hidden, routed_blocks, token_blocks,
         ws.h.stride(0), down_w[2], down_w[3], ws.y.stride(0), down.stride(0), down_w[4], down_w[5],
         **tiles, **flags,
+    )
+
+
+def _launch_rows(x, w_gate_up: PackedInt4, w_down: PackedInt4, weights, blocks, block_expert, ws: Workspace,
+                 routed_blocks, block_m, block_n, block_k, pdl) -> None:
+    """moe_int4_rows' two kernels over the routed pairs: gate and up into ws.gu, then ws.y."""
+    tokens, hidden = x.shape
+    experts, _, inter = expert_shape(w_gate_up)
+    top_k, num_pairs = weights.shape[1], weights.numel()
+    flags = dict(DIRECT=blocks is None, GROUP=w_gate_up.group_size, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=block_m,
+                 num_warps=INT4_ROWS_WARPS, num_stages=NUM_STAGES, **launch_flags(x.device, pdl))
+    gu, down = w_gate_up, w_down
+    gate_up_rows_kernel[(routed_blocks, triton.cdiv(2 * inter, block_n))](
+        x, gu.packed, ws.sorted_pairs, block_expert, ws.gu, gu.scale, num_pairs, experts, top_k, hidden, 2 * inter,
+        x.stride(0), gu.packed.stride(0), gu.packed.stride(1), ws.gu.stride(0), gu.scale.stride(0), gu.scale.stride(1),
+        EVEN_K=hidden % block_k == 0, **flags,
+    )
+    down_rows_kernel[(routed_blocks, triton.cdiv(hidden, block_n))](
+        ws.gu, down.packed, weights, ws.sorted_pairs, block_expert, ws.y, down.scale, num_pairs, experts, inter, hidden,
+        ws.gu.stride(0), down.packed.stride(0), down.packed.stride(1), ws.y.stride(0), down.scale.stride(0),
+        down.scale.stride(1), EVEN_K=inter % block_k == 0, DTYPE=TL_DTYPES[x.dtype], **flags,
     )
 
 

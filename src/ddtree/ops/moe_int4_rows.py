@@ -4,17 +4,20 @@ with each routed block's rows multiplied one by one on the CUDA cores instead of
 At one to a few rows per expert a layer is a weight read, and what bounds the tl.dot path of
 moe_kernels.py there is the unpacking: each INT4 value converted to float, scaled, rounded to
 16 bits and moved into the tensor cores' operand layout. Here a packed word stays in the layout it
-was loaded in; value i of a word (bits 4i .. 4i + 3, compressed-tensors' order) becomes a float
-with two integer operations and one subtraction (`_nibble`), is multiplied by the activation of
-its column, and the eight products of a word are summed before its group scale is applied once.
-The activations' columns are taken apart to match with tl.split (no gather). Sums are float32
-throughout and the weights are not rounded to 16 bits, so the result differs from the dequantized
-twin's in the last bits (more accurate, not equal).
+was loaded in; value i of a word (bits 4i .. 4i + 3, compressed-tensors' order) becomes the float
+2^16 (128 + q + 8) with a shift and a mask-or (`_biased`, no int-to-float conversion), is multiplied by
+its column's activation scaled by 2^-16, and the eight products of a word start from -136 times the
+activations' sum, so that they add up to sum(x * q) with one fused multiply-add per value; the word's
+group scale is applied once. The activations' columns are taken apart to match with tl.split (no
+gather). Sums are float32 throughout and the weights are not rounded to 16 bits, so the result
+differs from the dequantized twin's in the last bits (not equal, within float32's rounding).
 
-The shared experts (16-bit) keep moe_kernels' tl.dot tiles of SHARED_M tokens by SHARED_N = max(16,
-BLOCK_N) columns in the same launches (programs past their columns exit);
-the routed blocks hold ROWS pairs (moe_align with block_m = ROWS, or one pair each in DIRECT mode).
-Row layout of h and y, arguments and sums as moe_kernels' gate_up_kernel and down_kernel.
+Only the routed experts run here, each program on one output block of one weight, so that a program
+holds one accumulator and one set of words: gate_up_rows_kernel writes gate and up, float32, side by
+side into gu [P, 2 * inter], and down_rows_kernel takes silu(gate) * up of its rows (rounded to the
+activations' dtype, as moe_kernels' h is) as it loads them. The shared experts (16-bit) run in
+launches of their own through moe_kernels' tl.dot kernels (fused_moe). Routed blocks hold ROWS
+pairs (moe_align with block_m = ROWS, or one pair each in DIRECT mode); y as moe_kernels'.
 """
 
 from __future__ import annotations
@@ -23,46 +26,61 @@ import triton
 import triton.language as tl
 
 from .launch import wait_for_producers
-from .moe_kernels import routed_block, shared_down, shared_gate_up
-
-SHARED_M = 16  # tokens per shared-expert program (tl.dot's minimum)
-_SHARED_M: tl.constexpr = tl.constexpr(SHARED_M)  # the kernels' copy
+from .moe_kernels import routed_block
 
 
 @triton.jit
-def _nibble(words, i: tl.constexpr):
-    """Value i of each packed int32 word minus 8 (the symmetric zero point), float32: the 4 bits set
-    into the low mantissa of 2^23, then 2^23 + 8 subtracted; exact, with no int-to-float conversion."""
-    bits = ((words >> (4 * i)) & 0xF) | 0x4B000000
-    return bits.to(tl.float32, bitcast=True) - 8388616.0
+def _biased(words, i: tl.constexpr):
+    """Value i of each packed int32 word as the float32 2^16 * (128 + v), v its 4 bits (q + 8): the
+    bits moved to 16 .. 19 and the exponent of 2^23 set, whose unit there is 2^16; exact."""
+    if i < 4:
+        bits = (words << (16 - 4 * i)) & 0xF0000
+    elif i == 4:
+        bits = words & 0xF0000
+    else:
+        bits = (words >> (4 * i - 16)) & 0xF0000
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _columns(a_ptrs, mask, ROWS: tl.constexpr, WORDS: tl.constexpr):
-    """Activations [ROWS, 8 * WORDS] as float32, taken apart by column within each word: the tuple
-    (x0, .., x7) of [ROWS, WORDS], xi[r, w] = a[r, 8 * w + i]."""
-    a = tl.reshape(tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32), (ROWS, WORDS, 2, 2, 2))
-    c0, c1 = tl.split(a)  # last axis: bit 0 of i
+def _activations(a_ptrs, mask, up_offset, SWIGLU: tl.constexpr, DTYPE: tl.constexpr):
+    """The K step's activations as float32: a_ptrs' values, or (SWIGLU) silu(gate) * up of the float32
+    gate at a_ptrs and up at a_ptrs + up_offset, rounded to DTYPE first (as moe_kernels' h is stored)."""
+    if SWIGLU:
+        gate = tl.load(a_ptrs, mask=mask, other=0.0)
+        up = tl.load(a_ptrs + up_offset, mask=mask, other=0.0)
+        return (gate * tl.sigmoid(gate) * up).to(DTYPE).to(tl.float32)
+    return tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _columns(a, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """Activations a [ROWS, 8 * WORDS] taken apart by column within each word, times 2^-16 (exact):
+    ((x0, .., x7) each [ROWS, WORDS] with xi[r, w] = a[r, 8 * w + i] / 2^16, and -136 times the
+    sum of each word's 8 activations, [ROWS, WORDS])."""
+    c0, c1 = tl.split(tl.reshape(a * (1.0 / 65536.0), (ROWS, WORDS, 2, 2, 2)))  # last axis: bit 0 of i
     c0b0, c0b1 = tl.split(c0)
     c1b0, c1b1 = tl.split(c1)
     x0, x4 = tl.split(c0b0)
     x2, x6 = tl.split(c0b1)
     x1, x5 = tl.split(c1b0)
     x3, x7 = tl.split(c1b1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+    # the products start from -136 * 2^16 * (their activations' sum / 2^16): 128 + v - 136 = q
+    bias = ((x0 + x1) + (x2 + x3) + ((x4 + x5) + (x6 + x7))) * -8912896.0
+    return x0, x1, x2, x3, x4, x5, x6, x7, bias
 
 
 @triton.jit
-def _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words):
-    """[ROWS, BLOCK_N, WORDS]: per row and word, the sum of its 8 values times their activations."""
-    acc = x0[:, None, :] * _nibble(words, 0)[None, :, :]
-    acc += x1[:, None, :] * _nibble(words, 1)[None, :, :]
-    acc += x2[:, None, :] * _nibble(words, 2)[None, :, :]
-    acc += x3[:, None, :] * _nibble(words, 3)[None, :, :]
-    acc += x4[:, None, :] * _nibble(words, 4)[None, :, :]
-    acc += x5[:, None, :] * _nibble(words, 5)[None, :, :]
-    acc += x6[:, None, :] * _nibble(words, 6)[None, :, :]
-    acc += x7[:, None, :] * _nibble(words, 7)[None, :, :]
+def _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, bias, words):
+    """[ROWS, BLOCK_N, WORDS]: per row and word, the sum of its 8 values q times their activations."""
+    acc = bias[:, None, :] + x0[:, None, :] * _biased(words, 0)[None, :, :]
+    acc += x1[:, None, :] * _biased(words, 1)[None, :, :]
+    acc += x2[:, None, :] * _biased(words, 2)[None, :, :]
+    acc += x3[:, None, :] * _biased(words, 3)[None, :, :]
+    acc += x4[:, None, :] * _biased(words, 4)[None, :, :]
+    acc += x5[:, None, :] * _biased(words, 5)[None, :, :]
+    acc += x6[:, None, :] * _biased(words, 6)[None, :, :]
+    acc += x7[:, None, :] * _biased(words, 7)[None, :, :]
     return acc
 
 
@@ -89,12 +107,13 @@ def _masks(row_ok, col_ok, k0, depth, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _rows_times_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, stride_pn, stride_sn,
+def _rows_times_w4(a_ptr, row_ok, up_offset, packed_ptr, scale_ptr, offs_n, col_ok, depth, stride_pn, stride_sn,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                   EVEN_K: tl.constexpr):
-    """a [ROWS, depth] (pointers at column 0) times the INT4 weight's rows offs_n ([out, depth / 8]
-    words): float32 [ROWS, BLOCK_N]. EVEN_K: depth is a multiple of BLOCK_K. Each step loads the
-    next step's words before it multiplies its own (two steps' reads in flight)."""
+                   EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, DTYPE: tl.constexpr):
+    """a [ROWS, depth] (pointers at column 0; SWIGLU: silu(gate) * up, see _activations) times the
+    INT4 weight's rows offs_n ([out, depth / 8] words): float32 [ROWS, BLOCK_N]. EVEN_K: depth is a
+    multiple of BLOCK_K. Each step loads the next step's words before it multiplies its own (two
+    steps' reads in flight)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = offs_n.to(tl.int64)[:, None]
     words_at = tl.arange(0, WORDS)
@@ -106,104 +125,62 @@ def _rows_times_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, 
         _, next_mask = _masks(row_ok, col_ok, k0 + BLOCK_K, depth, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
         next_words, next_scale = _weight_words(packed_ptr, scale_ptr, rows, (k0 + BLOCK_K) // 8 + words_at, next_mask,
                                                stride_pn, stride_sn, GROUP)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + (k0 + tl.arange(0, BLOCK_K))[None, :], x_mask, ROWS, WORDS)
-        acc += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, words) * scale[None, :, :]
+        a = _activations(a_ptr + (k0 + tl.arange(0, BLOCK_K))[None, :], x_mask, up_offset, SWIGLU, DTYPE)
+        x0, x1, x2, x3, x4, x5, x6, x7, bias = _columns(a, ROWS, WORDS)
+        acc += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, bias, words) * scale[None, :, :]
         words, scale = next_words, next_scale
     return tl.sum(acc, 2)
 
 
 @triton.jit
-def _swiglu_rows_w4(a_ptr, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, hidden, inter, stride_pn, stride_sn,
-                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    EVEN_K: tl.constexpr):
-    """silu(a @ Wg) * (a @ Wu) for gate rows offs_n and up rows inter + offs_n: float32 [ROWS, BLOCK_N]
-    (the next step's words loaded ahead, as in _rows_times_w4)."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    gate_rows = offs_n.to(tl.int64)[:, None]
-    up_rows = gate_rows + inter
-    words_at = tl.arange(0, WORDS)
-    _, w_mask = _masks(row_ok, col_ok, 0, hidden, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
-    gate_words, gate_scale = _weight_words(packed_ptr, scale_ptr, gate_rows, words_at, w_mask, stride_pn, stride_sn,
-                                           GROUP)
-    up_words, up_scale = _weight_words(packed_ptr, scale_ptr, up_rows, words_at, w_mask, stride_pn, stride_sn, GROUP)
-    acc_gate = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
-    acc_up = tl.zeros([ROWS, BLOCK_N, WORDS], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        x_mask, _ = _masks(row_ok, col_ok, k0, hidden, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
-        _, next_mask = _masks(row_ok, col_ok, k0 + BLOCK_K, hidden, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
-        next_word = (k0 + BLOCK_K) // 8 + words_at
-        next_gate, next_gate_scale = _weight_words(packed_ptr, scale_ptr, gate_rows, next_word, next_mask, stride_pn,
-                                                   stride_sn, GROUP)
-        next_up, next_up_scale = _weight_words(packed_ptr, scale_ptr, up_rows, next_word, next_mask, stride_pn,
-                                               stride_sn, GROUP)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _columns(a_ptr + (k0 + tl.arange(0, BLOCK_K))[None, :], x_mask, ROWS, WORDS)
-        acc_gate += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, gate_words) * gate_scale[None, :, :]
-        acc_up += _word_sums(x0, x1, x2, x3, x4, x5, x6, x7, up_words) * up_scale[None, :, :]
-        gate_words, gate_scale, up_words, up_scale = next_gate, next_gate_scale, next_up, next_up_scale
-    gate = tl.sum(acc_gate, 2)
-    return gate * tl.sigmoid(gate) * tl.sum(acc_up, 2)
-
-
-@triton.jit
 def gate_up_rows_kernel(
-    x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, h_ptr, shared_gate_ptr, shared_up_ptr, scale_ptr,
-    num_pairs, num_experts, num_tokens, top_k, hidden, inter, routed_blocks, token_blocks,
-    stride_xt, stride_we, stride_wk, stride_hp, stride_shared, stride_se, stride_sn,
+    x_ptr, w_ptr, sorted_pairs_ptr, block_expert_ptr, gu_ptr, scale_ptr,
+    num_pairs, num_experts, top_k, hidden, width, stride_xt, stride_we, stride_wk, stride_gu, stride_se, stride_sn,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
-    SHARED_N: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """moe_kernels.gate_up_kernel (W4) with ROWS pairs per routed block; token_blocks counts blocks
-    of SHARED_M tokens; EVEN_K: hidden and inter are multiples of BLOCK_K."""
+    """gu[p, n] = x[token of p] @ W[e][n] (float32) for n < width = 2 * inter: the gate rows, then the
+    up rows, of each routed pair p's expert e (packed int32 [E, 2 * inter, hidden / 8], stride_we per
+    expert, stride_wk per row; scales [E, 2 * inter, hidden / GROUP], stride_se, stride_sn); one
+    program per routed block of ROWS pairs and BLOCK_N of the 2 * inter rows. EVEN_K: hidden is a
+    multiple of BLOCK_K."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < inter
-    if pid_m < routed_blocks:
-        expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, ROWS, DIRECT)
-        if expert >= 0:
-            row_ok = pair < num_pairs
-            e = expert.to(tl.int64)
-            x_rows = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt
-            h = _swiglu_rows_w4(x_rows, row_ok, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, col_ok,
-                                hidden, inter, stride_wk, stride_sn, ROWS, BLOCK_N, BLOCK_K, GROUP, EVEN_K)
-            h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
-            tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    elif tl.program_id(1) * SHARED_N < inter:  # shared tiles of SHARED_N >= 16 columns (tl.dot's least)
-        shared_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
-        shared_gate_up(pid_m, shared_n, shared_n < inter, x_ptr, h_ptr, shared_gate_ptr, shared_up_ptr, num_pairs,
-                       num_tokens, hidden, inter, routed_blocks, token_blocks, stride_xt, stride_hp, stride_shared,
-                       _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
+    col_ok = offs_n < width
+    expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, ROWS, DIRECT)
+    if expert >= 0:
+        row_ok = pair < num_pairs
+        e = expert.to(tl.int64)
+        x_rows = x_ptr + (pair // top_k).to(tl.int64)[:, None] * stride_xt
+        gu = _rows_times_w4(x_rows, row_ok, 0, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, col_ok,
+                            hidden, stride_wk, stride_sn, ROWS, BLOCK_N, BLOCK_K, GROUP, EVEN_K, False, tl.float32)
+        gu_ptrs = gu_ptr + pair.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
+        tl.store(gu_ptrs, gu, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def down_rows_kernel(
-    h_ptr, w_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, shared_down_ptr, scale_ptr,
-    num_pairs, num_experts, num_tokens, inter, hidden, routed_blocks, token_blocks,
-    stride_hp, stride_we, stride_wk, stride_yp, stride_shared, stride_se, stride_sn,
+    gu_ptr, w_ptr, weights_ptr, sorted_pairs_ptr, block_expert_ptr, y_ptr, scale_ptr,
+    num_pairs, num_experts, inter, hidden, stride_gu, stride_we, stride_wk, stride_yp, stride_se, stride_sn,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr,
-    SHARED_N: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr, EVEN_K: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    """moe_kernels.down_kernel (W4) with ROWS pairs per routed block (as gate_up_rows_kernel)."""
+    """y[p] = weights[p] * (h[p] @ Wd[e]), float32, per routed pair p, with h = silu(gate) * up of
+    gu's row p rounded to DTYPE (the activations'); Wd packed [E, hidden, inter / 8]. EVEN_K: inter is
+    a multiple of BLOCK_K."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < hidden
-    if pid_m < routed_blocks:
-        expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, ROWS, DIRECT)
-        if expert >= 0:
-            row_ok = pair < num_pairs
-            row = tl.where(row_ok, pair, 0).to(tl.int64)
-            e = expert.to(tl.int64)
-            acc = _rows_times_w4(h_ptr + row[:, None] * stride_hp, row_ok, w_ptr + e * stride_we,
-                                 scale_ptr + e * stride_se, offs_n, col_ok, inter, stride_wk, stride_sn,
-                                 ROWS, BLOCK_N, BLOCK_K, GROUP, EVEN_K)
-            weight = tl.load(weights_ptr + row, mask=row_ok, other=0.0)
-            tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
-                     mask=row_ok[:, None] & col_ok[None, :])
-    elif tl.program_id(1) * SHARED_N < hidden:  # as in gate_up_rows_kernel
-        shared_n = tl.program_id(1) * SHARED_N + tl.arange(0, SHARED_N)
-        shared_down(pid_m, shared_n, shared_n < hidden, h_ptr, y_ptr, shared_down_ptr, num_pairs, num_tokens, inter,
-                    routed_blocks, token_blocks, stride_hp, stride_yp, stride_shared,
-                    _SHARED_M, SHARED_N, BLOCK_K, DOT_F32, PRECISION)
+    expert, pair = routed_block(pid_m, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, ROWS, DIRECT)
+    if expert >= 0:
+        row_ok = pair < num_pairs
+        row = tl.where(row_ok, pair, 0).to(tl.int64)
+        e = expert.to(tl.int64)
+        acc = _rows_times_w4(gu_ptr + row[:, None] * stride_gu, row_ok, inter, w_ptr + e * stride_we,
+                             scale_ptr + e * stride_se, offs_n, col_ok, inter, stride_wk, stride_sn,
+                             ROWS, BLOCK_N, BLOCK_K, GROUP, EVEN_K, True, DTYPE)
+        weight = tl.load(weights_ptr + row, mask=row_ok, other=0.0)
+        tl.store(y_ptr + row[:, None] * stride_yp + offs_n[None, :], acc * weight[:, None],
+                 mask=row_ok[:, None] & col_ok[None, :])

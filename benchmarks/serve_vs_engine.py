@@ -11,20 +11,22 @@ one's slot taken by the next prompt, as a server's c clients keep c requests in 
 token and the wall time of the same prompts at max_new_tokens = 1 (their prefills). Then, with this
 process's engines gone, one `ddtree serve --max-batch max(c)` on the same device, warmed with a few
 requests of each mode, and per (mode, c) the same prompts from c concurrent streamed clients
-(benchmarks/serve_bench.py's client); its decode tokens/s is the tokens after each request's first
+(benchmarks/serve_bench.py's client, spread over --client-processes processes so that parsing the
+events is not the bottleneck: client_pool.py); its decode tokens/s is the tokens after each request's first
 over the cell's wall time less the clients' mean time to first token summed per client (the
 time each client waited for its requests' first tokens).
 
 The JSON's `bars`: server_over_engine_min (the smallest ratio of the server's decode tokens/s to
 the engine's over every cell) and ttft_gap_ms_c1 (the server's median time to first token at
 concurrency 1 less the engine's median prefill per request at batch 1). Requests ignore EOS, so
-both sides make max_tokens tokens per request.
+both sides make max_tokens tokens per request. Each server cell also reports the CPU seconds over
+its wall time of the HTTP process, the engine-core process and the busiest client process (near
+1.0: that process ran the whole cell, the likely bottleneck).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import statistics
 import sys
@@ -38,8 +40,9 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, markdown_table, write_results  # noqa: E402
-from serve_bench import load_prompts, make_bodies, parse_modes, run_cell  # noqa: E402
+from serve_bench import load_prompts, make_bodies, parse_modes  # noqa: E402
 from serve_vs_generate import free_port, start_server, stop  # noqa: E402
+from client_pool import ClientPool, ServerCpu  # noqa: E402
 
 from ddtree import Engine, SamplingParams  # noqa: E402
 
@@ -100,8 +103,9 @@ def label(mode: str, budget) -> str:
     return mode if budget is None else f"{mode} {budget}"
 
 
-async def server_cells(args, prompts: list[str], modes) -> dict:
-    """(mode label, c) -> the server's cell: decode tokens/s, TTFT median, errors."""
+def server_cells(args, prompts: list[str], modes) -> dict:
+    """(mode label, c) -> the server's cell: decode tokens/s, TTFT median, errors, and the CPU share
+    of the HTTP process, the engine core and the busiest client process over the cell."""
     import httpx
 
     port = free_port()
@@ -110,25 +114,26 @@ async def server_cells(args, prompts: list[str], modes) -> dict:
     out = {}
     client_args = argparse.Namespace(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, seed=None)
     try:
-        limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
-            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        cpu = ServerCpu(server.pid)
+        with ClientPool(args.client_processes) as clients:
             for mode, budget in modes:
-                warm = make_bodies(client_args, prompts, mode, budget, 4, model, 0)
-                await run_cell(client, url, warm, 2)
+                clients.run(url, make_bodies(client_args, prompts, mode, budget, 4, model, 0), 2)  # warm-up
                 for c in args.concurrency:
                     cell = cell_prompts(prompts, c, args.requests)
                     bodies = make_bodies(client_args, cell, mode, budget, len(cell), model, 0)
-                    records, wall = await run_cell(client, url, bodies, c)
+                    cpu.start()
+                    records, wall, client_cpu = clients.run(url, bodies, c)
                     ok = [r for r in records if r["error"] is None and r["ttft"] is not None]
                     waited = sum(r["ttft"] for r in ok) / c  # each client's wait for first tokens
                     decode = sum(r["tokens"] - 1 for r in ok) / max(wall - waited, 1e-9)
                     ttft = statistics.median(r["ttft"] for r in ok) * 1e3 if ok else None
                     out[(label(mode, budget), c)] = {"decode_tokens_per_s": decode, "ttft_p50_ms": ttft,
                                                      "errors": len(records) - len(ok), "wall_s": wall,
-                                                     "tokens": sum(r["tokens"] for r in ok)}
+                                                     "tokens": sum(r["tokens"] for r in ok),
+                                                     **cpu.fractions(wall), "client_cpu": client_cpu}
                     print(f"server {label(mode, budget)} c={c}: {decode:.1f} decode tokens/s, TTFT p50 {ttft} ms, "
-                          f"{len(records) - len(ok)} errors", flush=True)
+                          f"{len(records) - len(ok)} errors, CPU {out[(label(mode, budget), c)]}", flush=True)
     finally:
         stop(server)
     return out
@@ -144,6 +149,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=None, help="requests per cell (default max(16, 4 c))")
     parser.add_argument("--prompts", default=None, help="a prompts file (serve_bench.load_prompts)")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="processes the streamed clients are spread over (one asyncio loop each)")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
     if args.target is not None or args.drafter is not None:
@@ -153,7 +160,7 @@ def main() -> None:
     modes = parse_modes(args.modes, 16)
     prompts = load_prompts(args.prompts)
     engine = engine_cells(args, prompts, modes)
-    server = asyncio.run(server_cells(args, prompts, modes))
+    server = server_cells(args, prompts, modes)
     rows = []
     for (name, c), cell in server.items():
         rows.append({"mode": name, "concurrency": c, "engine_decode_tokens_per_s": engine[(name, c)],
@@ -163,6 +170,7 @@ def main() -> None:
     bars = {"server_over_engine_min": min(r["server_over_engine"] for r in rows),
             "ttft_gap_ms_c1": (statistics.median(c1) - engine["prefill_ms_c1"]) if c1 and "prefill_ms_c1" in engine else None}
     payload = {"environment": env, "device": args.device, "max_tokens": args.max_tokens, "modes": args.modes,
+               "client_processes": args.client_processes,
                "concurrency": args.concurrency, "engine_prefill_ms_c1": engine.get("prefill_ms_c1"), "rows": rows,
                "bars": bars}
     table = (f"The demo pair on {args.device}: the same prompts ({args.max_tokens} tokens each, EOS ignored) through "
@@ -170,11 +178,12 @@ def main() -> None:
              "clients; decode tokens/s leaves out each request's first token and the time to it.\n\n"
              + "\n".join(f"- {k}: {v:.3f}" if v is not None else f"- {k}: -" for k, v in bars.items()) + "\n\n"
              + markdown_table(["mode", "c", "engine decode tokens/s", "server decode tokens/s", "server / engine",
-                               "server TTFT p50 ms", "errors"],
+                               "server TTFT p50 ms", "errors", "CPU: HTTP / core / client"],
                               [[r["mode"], r["concurrency"], f"{r['engine_decode_tokens_per_s']:.1f}",
                                 f"{r['server_decode_tokens_per_s']:.1f}", f"{r['server_over_engine']:.3f}",
                                 "-" if r["server_ttft_p50_ms"] is None else f"{r['server_ttft_p50_ms']:.1f}",
-                                r["server_errors"]] for r in rows]))
+                                r["server_errors"], f"{r['server_http_cpu']:.2f} / {r['server_core_cpu']:.2f} / "
+                                f"{r['server_client_cpu']:.2f}"] for r in rows]))
     md = write_results("serve_vs_engine", payload, table, args.out_dir)
     print(md.read_text())
 

@@ -1,4 +1,5 @@
-"""benchmarks/serve_vs_engine.py end to end on the CPU, at its smallest: ar at concurrency 1."""
+"""benchmarks/serve_vs_engine.py end to end on the CPU, at its smallest: ar at concurrency 1 and 2, the
+clients of concurrency 2 in two processes."""
 
 import json
 import shutil
@@ -15,13 +16,17 @@ import serve_vs_engine  # noqa: E402
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the server's readiness is polled with curl")
 def test_the_benchmark_writes_both_sides_and_the_bars(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["serve_vs_engine.py", "--device", "cpu", "--concurrency", "1", "--modes", "ar",
-                                      "--max-tokens", "4", "--requests", "1", "--out-dir", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["serve_vs_engine.py", "--device", "cpu", "--concurrency", "1", "2", "--modes", "ar",
+                                      "--max-tokens", "4", "--requests", "2", "--client-processes", "2",
+                                      "--out-dir", str(tmp_path)])
     serve_vs_engine.main()
     payload = json.loads(next(tmp_path.glob("serve_vs_engine-*.json")).read_text())
-    (row,) = payload["rows"]
-    assert (row["mode"], row["concurrency"], row["server_errors"]) == ("ar", 1, 0)
+    row, pair = payload["rows"]
+    assert [(r["mode"], r["concurrency"], r["server_errors"]) for r in (row, pair)] == [("ar", 1, 0), ("ar", 2, 0)]
     assert row["engine_decode_tokens_per_s"] > 0 and row["server_decode_tokens_per_s"] > 0
-    assert row["server_tokens"] == 4  # EOS ignored: max_tokens made
-    assert payload["bars"]["server_over_engine_min"] == pytest.approx(row["server_over_engine"])
+    assert row["server_tokens"] == pair["server_tokens"] == 8  # 2 requests a cell, EOS ignored: max_tokens made
+    assert payload["bars"]["server_over_engine_min"] == pytest.approx(min(r["server_over_engine"] for r in (row, pair)))
     assert payload["bars"]["ttft_gap_ms_c1"] == pytest.approx(row["server_ttft_p50_ms"] - payload["engine_prefill_ms_c1"])
+    for r in (row, pair):  # the engine core computed every token: it ran for part of the cell at least
+        assert 0 < r["server_core_cpu"] <= 1.5 and 0 < r["server_client_cpu"] <= 1.5, r
+        assert 0 <= r["server_http_cpu"] <= 1.5, r

@@ -1,0 +1,108 @@
+"""Streamed clients spread over processes, and the CPU time of the server's processes.
+
+One asyncio loop parsing every SSE event of 64 fast streams can be the slowest part of a serving
+benchmark, so a cell's clients run in several processes (serve_bench's client in each, its share
+of the concurrency and of the requests), all started at one wall-clock instant. Beside each cell,
+the CPU seconds the server's processes (the HTTP process and its children: the engine core) and
+the busiest client process used, over the cell's wall time: a figure near 1.0 is a process that
+ran the whole time, the likely bottleneck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+
+START_DELAY_S = 0.5  # the client processes' common start, after the tasks reach them
+
+
+def _part(url: str, bodies: list[dict], concurrency: int, start_at: float) -> tuple[list[dict], float, float, float]:
+    """One client process's share: (records, its start, its end (time.time), its CPU seconds)."""
+    import httpx
+    from serve_bench import run_cell
+
+    async def run():
+        limits = httpx.Limits(max_connections=concurrency + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu = time.process_time()
+            start = time.time()
+            records, _ = await run_cell(client, url, bodies, concurrency)
+            return records, start, time.time(), time.process_time() - cpu
+
+    return asyncio.run(run())
+
+
+class ClientPool:
+    """`processes` client processes (spawned once, reused by every cell); a context manager."""
+
+    def __init__(self, processes: int):
+        if processes < 1:
+            raise ValueError(f"client processes must be >= 1, got {processes}")
+        self.processes = processes
+        self._pool = multiprocessing.get_context("spawn").Pool(processes)
+
+    def __enter__(self) -> ClientPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.terminate()
+        self._pool.join()
+
+    def run(self, url: str, bodies: list[dict], concurrency: int) -> tuple[list[dict], float, float]:
+        """All bodies through `concurrency` streams split over min(processes, concurrency) processes:
+        (records, wall seconds from the common start to the last end, the busiest process's CPU
+        seconds over that wall time)."""
+        parts = min(self.processes, concurrency)
+        start_at = time.time() + START_DELAY_S
+        tasks = [(url, bodies[i::parts], concurrency // parts + (i < concurrency % parts), start_at)
+                 for i in range(parts)]
+        results = self._pool.starmap(_part, tasks)
+        wall = max(end for _, _, end, _ in results) - start_at
+        records = [r for part, _, _, _ in results for r in part]
+        return records, wall, max(cpu for _, _, _, cpu in results) / wall
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; 0.0 once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            found.append(int(name))
+    return found
+
+
+class ServerCpu:
+    """CPU seconds of a server's HTTP process and of its children (the engine core) between
+    `start()` and `fractions(wall)`."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def start(self) -> None:
+        self._pids = [self.pid] + children(self.pid)
+        self._before = [cpu_seconds(p) for p in self._pids]
+
+    def fractions(self, wall: float) -> dict:
+        """{"http_cpu": the HTTP process's CPU seconds / wall, "core_cpu": the busiest child's}."""
+        used = [cpu_seconds(p) - b for p, b in zip(self._pids, self._before)]
+        return {"http_cpu": used[0] / wall, "core_cpu": max(used[1:], default=0.0) / wall}

@@ -154,6 +154,10 @@ def test_bad_int4_experts_are_refused(kernel_device):
         fused_moe(x, gate_up, PackedInt4(down.packed, down.scale[..., :1].contiguous(), 8), weights, ids)
     with pytest.raises(ValueError, match="hidden=40"):
         fused_moe(torch.zeros(2, 40, device=kernel_device), gate_up, down, weights, ids)
+    # the row kernels' gate and up go to workspace.gu: a workspace made for 16-bit experts has none
+    ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, x.dtype, kernel_device, block_m=2)
+    with pytest.raises(ValueError, match=r"workspace.gu must be a contiguous torch.float32 \[4, 32\]"):
+        fused_moe(x, gate_up, down, weights, ids, workspace=ws, block_m=2)
 
 
 def test_every_pointer_the_shared_branch_compiles_has_the_activations_dtype(kernel_device, monkeypatch):

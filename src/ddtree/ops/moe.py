@@ -85,8 +85,8 @@ class Workspace:
     block_expert: torch.Tensor  # int32 [max_blocks]
     h: torch.Tensor  # x.dtype [P + S * T, inter]: silu(gate) * up per routed pair, then per (shared, token)
     y: torch.Tensor  # float32 [P + S * T, hidden]: weighted expert output, rows as h
-    # float32 [P, 2 * inter] for INT4 experts ([0, 2 * inter] otherwise): the row kernels' gate and
-    # up per routed pair (their h rows stay unused)
+    # float32 [P, 2 * inter] for the INT4 row kernels (block_m < 16; [0, 2 * inter] otherwise): their
+    # gate and up per routed pair (their h rows stay unused)
     gu: torch.Tensor
 
     @classmethod
@@ -102,7 +102,7 @@ class Workspace:
                    torch.empty(blocks, dtype=torch.int32, device=device),
                    torch.empty(rows, inter, dtype=dtype, device=device),
                    torch.empty(rows, hidden, dtype=torch.float32, device=device),
-                   torch.empty(pairs if int4 else 0, 2 * inter, dtype=torch.float32, device=device))
+                   torch.empty(pairs if int4 and block_m < 16 else 0, 2 * inter, dtype=torch.float32, device=device))
 
 
 @dataclass
@@ -259,7 +259,7 @@ def fused_moe(
         workspace = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m, num_shared, int4)
     else:
         want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m, num_shared, int4)
-        for name in ("sorted_pairs", "block_expert", "h", "y") + (("gu",) if block_m < 16 else ()):
+        for name in ("sorted_pairs", "block_expert", "h", "y", "gu"):
             got, need = getattr(workspace, name), getattr(want, name)
             if got.shape != need.shape or got.dtype != need.dtype or got.device != x.device or not got.is_contiguous():
                 raise ValueError(f"workspace.{name} must be a contiguous {need.dtype} {list(need.shape)} on "

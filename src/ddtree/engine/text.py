@@ -116,5 +116,7 @@ class TextStream:
 def first_stop(text: str, start: int, stops: tuple[str, ...]) -> int | None:
     """Where the first stop string in `text` begins, among those that end at or after `start`
     (the text before `start` was searched already); None if there is none."""
+    if not stops:
+        return None
     hits = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None

@@ -29,7 +29,7 @@ import zmq
 
 from .core_process import POLL_MS, core_main
 from .errors import APIError
-from .jobs import Chunk, Failed, Handle
+from .jobs import Chunk, Failed, Handle, push_all
 from .outputs import TextOutputs
 from .prompts import encode_text
 from .scheduler import QueueFull
@@ -232,7 +232,7 @@ class EngineCore:
         return False
 
     def _route(self, events) -> None:
-        stopped = []
+        stopped, delivered = [], []
         with self._lock:
             for request_id, event in events:
                 handle = self._handles.get(request_id)
@@ -248,7 +248,8 @@ class EngineCore:
                     self._waiting.discard(request_id)
                     if isinstance(event, Failed) or event.finish_reason is not None:
                         del self._handles[request_id]
-                handle.push(event)
+                delivered.append((handle, event))
+        push_all(delivered)  # one wake-up of the HTTP loop for the turn's events
         for request_id in stopped:  # the core commits on until it reads this: its chunks are dropped
             self._send(("abort", request_id))
 

@@ -36,14 +36,20 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _next(handle, watcher: asyncio.Task):
-    """The handle's next event, or _GONE if the client disconnects first."""
-    get = asyncio.ensure_future(handle.next())
-    done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if get in done:
-        return get.result()
-    get.cancel()  # asyncio.Queue.get is cancellation-safe: no event is lost
-    return _GONE
+def _watch(request: Request, handle) -> asyncio.Task:
+    """The disconnect watcher: a task that returns when the client has gone, and then puts _GONE
+    behind the events in the handle's queue (so that a stream waits on its queue alone: no task
+    and no asyncio.wait per event)."""
+    watcher = asyncio.ensure_future(_disconnected(request))
+
+    def gone(task: asyncio.Task) -> None:
+        if task.cancelled():
+            return  # the response ended first
+        task.exception()  # retrieved: a receive that failed also means the client is gone
+        handle.queue.put_nowait(_GONE)
+
+    watcher.add_done_callback(gone)
+    return watcher
 
 
 async def generate(request: Request, state, job: Job, kind: str, stream: bool,
@@ -68,13 +74,13 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
         metrics.requests.labels(endpoint, str(err.status)).inc()
         return err.response()
     shape = ResponseShape(kind, job.request_id, state.config.model_name)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = _watch(request, handle)
     status, texts = 500, []
     if stream:
         state.streams += 1  # from here until the stream (or this function, if it never starts) closes
     try:
         while True:  # Accepted or Failed first, then the chunks
-            event = await _next(handle, watcher)
+            event = await handle.next()
             if event is _GONE:
                 scheduler.abort(job.request_id)
                 status = CLIENT_CLOSED
@@ -152,7 +158,7 @@ class _Stream:
             if shape.kind == "chat":
                 yield sse(shape.chunk("", role=True))
             while True:
-                event = await _next(self.handle, self.watcher)
+                event = await self.handle.next()
                 if event is _GONE:
                     return  # close() aborts it
                 if isinstance(event, Failed):
@@ -163,7 +169,7 @@ class _Stream:
                 event = self.handle.coalesce(event)  # what a slow reader let pile up: one event
                 if event.text or event.finish_reason is not None:
                     usage = event.usage if options.continuous_usage_stats else None
-                    yield sse(shape.chunk(event.text, event.finish_reason, usage))
+                    yield shape.chunk_event(event.text, event.finish_reason, usage)
                 if event.finish_reason is not None:
                     self.status, self.done = 200, True
                     if options.include_usage:

@@ -48,6 +48,12 @@ class Usage:
     mean_acceptance_length: float = 0.0
     seed: int | None = None
 
+    def counted(self, completion_tokens: int) -> Usage:
+        """This usage with another completion count (dataclasses.replace's result, at a fraction of
+        its cost: the HTTP process makes one per chunk)."""
+        return Usage(self.prompt_tokens, completion_tokens, self.mode, self.budget, self.rounds,
+                     self.mean_acceptance_length, self.seed)
+
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -93,10 +99,7 @@ class Handle:
 
     def push(self, event) -> None:
         """Thread-safe: deliver one event to the loop (dropped if the loop is gone)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the event loop closed (server shutting down): nobody is listening
-            pass
+        push_all([(self, event)])
 
     async def next(self):
         if self.held is not None:
@@ -117,3 +120,22 @@ class Handle:
             else:
                 self.held = event
         return chunk
+
+
+def push_all(events: list[tuple[Handle, object]]) -> None:
+    """Thread-safe: deliver (handle, event) pairs in order, one wake-up of each handles' loop for
+    all of them (a wake-up writes to the loop's self-pipe: one per event was a system call per
+    token at a turn of 64 streams); dropped where the loop is gone."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for handle, event in events:
+        by_loop.setdefault(handle.loop, []).append((handle, event))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, pairs)
+        except RuntimeError:  # the event loop closed (server shutting down): nobody is listening
+            pass
+
+
+def _put_all(pairs: list[tuple[Handle, object]]) -> None:
+    for handle, event in pairs:
+        handle.queue.put_nowait(event)

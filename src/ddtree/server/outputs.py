@@ -9,7 +9,6 @@ core is told to abort it; what the core commits for it after that is dropped.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from ..engine.text import TextStream
@@ -55,5 +54,5 @@ class TextOutputs:
         text = output.text.delta(final=final) if output.text is not None else chunk.text
         if final:
             self.close(request_id)
-        usage = dataclasses.replace(chunk.usage, completion_tokens=output.produced)
+        usage = chunk.usage.counted(output.produced)
         return Chunk(text, len(kept), usage, "stop" if stopped else chunk.finish_reason, tuple(kept)), stopped

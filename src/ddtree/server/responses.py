@@ -14,6 +14,7 @@ class ResponseShape:
 
     def __init__(self, kind: str, request_id: str, model: str):
         self.kind, self.id, self.model, self.created = kind, request_id, model, int(time.time())
+        self._event_head: str | None = None  # chunk_event's JSON up to the text (or the chat delta)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -42,13 +43,35 @@ class ResponseShape:
             body["usage"] = usage.as_dict()
         return body
 
+    def chunk_event(self, text: str, finish_reason: str | None = None, usage: Usage | None = None) -> bytes:
+        """sse(self.chunk(text, finish_reason, usage)), byte for byte, from a head rendered once per
+        request: a stream sends one per round, and its head never changes."""
+        if self._event_head is None:  # chunk()'s keys, in its order
+            chat = self.kind == "chat"
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            self._event_head = (f'{{"id":{_dumps(self.id)},"object":"{obj}","created":{self.created},'
+                                f'"model":{_dumps(self.model)},"choices":[{{"index":0,"{"delta" if chat else "text"}":')
+        if self.kind == "chat":
+            delta = '{"content":' + _dumps(text) + "}" if text else "{}"
+            choice = self._event_head + delta
+        else:
+            choice = self._event_head + _dumps(text)
+        tail = ',"logprobs":null,"finish_reason":' + _dumps(finish_reason) + "}]"
+        if usage is not None:
+            tail += ',"usage":' + _dumps(usage.as_dict())
+        return f"data: {choice}{tail}}}\n\n".encode("utf-8")
+
     def usage_chunk(self, usage: Usage) -> dict:
         """The closing chunk of stream_options.include_usage: no choices, the final usage."""
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage.as_dict()}
 
 
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(body: dict | str) -> bytes:
     """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the end)."""
-    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    data = body if isinstance(body, str) else _dumps(body)
     return f"data: {data}\n\n".encode("utf-8")

@@ -28,6 +28,7 @@ class _Outbox:
 
     def __init__(self):
         self.events, self.updates = [], []
+        self.counts: dict[str, float] = {}  # counters' increments, summed over the turn (one update each)
         self.lock = threading.Lock()
 
     def handle(self, request_id: str) -> "_RemoteHandle":
@@ -37,10 +38,15 @@ class _Outbox:
         with self.lock:
             (self.events if kind == "event" else self.updates).append(item)
 
+    def count(self, name: str, value: float) -> None:
+        with self.lock:
+            self.counts[name] = self.counts.get(name, 0) + value
+
     def take(self):
         with self.lock:
-            events, updates, self.events, self.updates = self.events, self.updates, [], []
-        return events, updates
+            events, updates, counts = self.events, self.updates, self.counts
+            self.events, self.updates, self.counts = [], [], {}
+        return events, [(name, "inc", value) for name, value in counts.items()] + updates
 
 
 class _RemoteHandle:
@@ -56,7 +62,7 @@ class _RecordedMetric:
         self.name, self.outbox = name, outbox
 
     def inc(self, value: float = 1) -> None:
-        self.outbox.add("update", (self.name, "inc", value))
+        self.outbox.count(self.name, value)
 
     def observe(self, value: float) -> None:
         self.outbox.add("update", (self.name, "observe", value))
@@ -70,7 +76,9 @@ class _RecordedMetrics:
         self.outbox = outbox
 
     def __getattr__(self, name: str) -> _RecordedMetric:
-        return _RecordedMetric(name, self.outbox)
+        metric = _RecordedMetric(name, self.outbox)
+        setattr(self, name, metric)  # found as an attribute from now on
+        return metric
 
     def publish(self, snapshot: dict) -> None:  # the snapshot travels with each turn instead
         pass

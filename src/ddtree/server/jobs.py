@@ -48,6 +48,10 @@ class Usage:
     mean_acceptance_length: float = 0.0
     seed: int | None = None
 
+    def __reduce__(self):  # pickled as its fields (the core sends one per chunk; the default is slower)
+        return Usage, (self.prompt_tokens, self.completion_tokens, self.mode, self.budget, self.rounds,
+                       self.mean_acceptance_length, self.seed)
+
     def counted(self, completion_tokens: int) -> Usage:
         """This usage with another completion count (dataclasses.replace's result, at a fraction of
         its cost: the HTTP process makes one per chunk)."""
@@ -79,6 +83,9 @@ class Chunk:
     usage: Usage
     finish_reason: str | None = None
     token_ids: tuple[int, ...] = ()
+
+    def __reduce__(self):  # as Usage's
+        return Chunk, (self.text, self.num_tokens, self.usage, self.finish_reason, self.token_ids)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4moe int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak
+#   dev/auto_budget_device.sh OUT suite ops int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -28,6 +28,13 @@ for part in "$@"; do
            tests/ops/test_moe_decode.py 2>&1 | tee "$out/ops.log" | tail -6 ;;
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
                --tiles auto --out "$out" 2>&1 | tail -12 ;;
+    int4vs) # the INT4 layer at HEAD beside INT4_BASE's (default 9820291, before the row kernels' restructure), one run
+      base=${INT4_BASE:-9820291}; rm -rf /tmp/int4base && mkdir -p /tmp/int4base && git archive "$base" src benchmarks/moe_paths.py \
+        benchmarks/common.py benchmarks/configs | tar -x -C /tmp/int4base || { echo "no $base in this .git"; continue; }
+      timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} \
+        --tiles auto,1x32x256,1x8x256 --out "$out/int4head" 2>&1 | grep "^| kimi"
+      DDTREE_COMMIT=$base timeout "${INT4_S:-150}" python3 /tmp/int4base/benchmarks/moe_paths.py --configs kimi-k2.6 \
+        --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles auto --out "$out/int4base" 2>&1 | grep "^| kimi" ;;
     int4tiles) timeout "${INT4_S:-240}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65} \
                  --tiles "${INT4_TILES:-auto,16x32x128,1x32x256,2x32x256,1x64x256,1x16x256,1x32x512,4x32x128}" \
                  --out "$out/int4tiles" 2>&1 | grep -v "^|" | tail -12 ;;
@@ -47,6 +54,11 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SVE_S:-420}" python3 benchmarks/serve_vs_engine.py --out-dir "$out" 2>&1 \
         | tee "$out/serve_vs_engine.log" | grep -v "^|" | tail -24 ;;
+    soak32) # the soak in float32: the serving path's texts against served alone, where near ties are rare
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SOAK_S:-360}" python3 benchmarks/serve_soak.py \
+        --requests "${SOAK_N:-3000}" --concurrency 64 --serve-args "--max-batch 32 --dtype float32" --out-dir "$out/fp32" 2>&1 \
+        | tee "$out/serve_soak_fp32.log" | tail -20 ;;
     soak) # 36's GPU soak: the serving wheels carried in .whl/, as for servevsengine
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SOAK_S:-360}" python3 benchmarks/serve_soak.py \

@@ -8,7 +8,8 @@ two sides share no lock and the HTTP side never waits on the model.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from .errors import APIError
 
@@ -49,8 +50,7 @@ class Usage:
     seed: int | None = None
 
     def __reduce__(self):  # pickled as its fields (the core sends one per chunk; the default is slower)
-        return Usage, (self.prompt_tokens, self.completion_tokens, self.mode, self.budget, self.rounds,
-                       self.mean_acceptance_length, self.seed)
+        return Usage, _USAGE_FIELDS(self)
 
     def counted(self, completion_tokens: int) -> Usage:
         """This usage with another completion count (dataclasses.replace's result, at a fraction of
@@ -85,7 +85,12 @@ class Chunk:
     token_ids: tuple[int, ...] = ()
 
     def __reduce__(self):  # as Usage's
-        return Chunk, (self.text, self.num_tokens, self.usage, self.finish_reason, self.token_ids)
+        return Chunk, _CHUNK_FIELDS(self)
+
+
+# every field, in order, for __reduce__ (a field added later travels too)
+_USAGE_FIELDS = attrgetter(*(f.name for f in fields(Usage)))
+_CHUNK_FIELDS = attrgetter(*(f.name for f in fields(Chunk)))
 
 
 @dataclass
@@ -130,7 +135,7 @@ class Handle:
 
 
 def push_all(events: list[tuple[Handle, object]]) -> None:
-    """Thread-safe: deliver (handle, event) pairs in order, one wake-up of each handles' loop for
+    """Thread-safe: deliver (handle, event) pairs in order, one wake-up of each handle's loop for
     all of them (a wake-up writes to the loop's self-pipe: one per event was a system call per
     token at a turn of 64 streams); dropped where the loop is gone."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -92,14 +92,14 @@ def children(pid: int) -> list[int]:
 
 
 class ServerCpu:
-    """CPU seconds of a server's HTTP process and of its children (the engine core) between
-    `start()` and `fractions(wall)`."""
+    """CPU seconds of a server's HTTP process and of its engine core (`core_pid`, or else the
+    HTTP process's children) between `start()` and `fractions(wall)`."""
 
-    def __init__(self, pid: int):
-        self.pid = pid
+    def __init__(self, pid: int, core_pid: int | None = None):
+        self.pid, self.core_pid = pid, core_pid
 
     def start(self) -> None:
-        self._pids = [self.pid] + children(self.pid)
+        self._pids = [self.pid] + ([self.core_pid] if self.core_pid is not None else children(self.pid))
         self._before = [cpu_seconds(p) for p in self._pids]
 
     def fractions(self, wall: float) -> dict:

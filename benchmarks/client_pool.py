@@ -14,6 +14,7 @@ import asyncio
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 START_DELAY_S = 0.5  # the client processes' common start, after the tasks reach them
 
@@ -76,18 +77,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (Linux /proc)."""
+    """The processes whose parent is `pid`: the children its threads started (Linux /proc)."""
     found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
-            with open(f"/proc/{name}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            found += [int(child) for child in task.read_text().split()]
+        except OSError:  # the thread ended meanwhile
             continue
-        if parent == pid:
-            found.append(int(name))
     return found
 
 

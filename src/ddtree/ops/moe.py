@@ -330,12 +330,12 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
 def _launch_rows(x, w_gate_up: PackedInt4, w_down: PackedInt4, weights, blocks, block_expert, ws: Workspace,
                  routed_blocks, block_m, block_n, block_k, pdl) -> None:
     """moe_int4_rows' two kernels over the routed pairs: gate and up into ws.gu, then ws.y."""
-    tokens, hidden = x.shape
+    hidden = x.shape[1]
     experts, _, inter = expert_shape(w_gate_up)
     top_k, num_pairs = weights.shape[1], weights.numel()
     flags = dict(DIRECT=blocks is None, GROUP=w_gate_up.group_size, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=block_m,
                  num_warps=INT4_ROWS_WARPS, num_stages=NUM_STAGES, **launch_flags(x.device, pdl))
-    gu, down = w_gate_up, w_down
+    gu, down = w_gate_up, w_down  # short names for the long argument lists below
     gate_up_rows_kernel[(routed_blocks, triton.cdiv(2 * inter, block_n))](
         x, gu.packed, ws.sorted_pairs, block_expert, ws.gu, gu.scale, num_pairs, experts, top_k, hidden, 2 * inter,
         x.stride(0), gu.packed.stride(0), gu.packed.stride(1), ws.gu.stride(0), gu.scale.stride(0), gu.scale.stride(1),

@@ -23,9 +23,14 @@ def find(cells: list[dict], batch: int, budget: int) -> dict | None:
     return next((c for c in cells if c["B"] == batch and c["budget"] == budget), None)
 
 
+AROUND_VERIFY = ("draft", "topk", "build", "accept", "commit")
+
+
 def bars(cells: list[dict]) -> dict:
-    """The three ratios of the issue (None where their cell was not run)."""
-    out = {"ar_step_b1_over_floor": None, "build_accept_commit_share_b8_budget64": None, "draft_share_b1_budget64": None}
+    """The issues' ratios (None where their cell was not run): issue 20's three, and issue 22's
+    stages around the verify (ms at budget 16) and each stage's worst measured / floor."""
+    out = {"ar_step_b1_over_floor": None, "build_accept_commit_share_b8_budget64": None, "draft_share_b1_budget64": None,
+           "around_verify_ms_b1_budget16": None, "around_verify_ms_b32_budget16": None}
     ar = find(cells, 1, 0)
     if ar:
         total = (ar.get("graph") or ar["eager"])["round"]["median"]
@@ -38,6 +43,14 @@ def bars(cells: list[dict]) -> dict:
     if tree:
         _, m = measured(tree)
         out["draft_share_b1_budget64"] = m["draft"]["median"] / m["round"]["median"]
+    for batch in (1, 32):
+        tree = find(cells, batch, 16)
+        if tree:
+            _, m = measured(tree)
+            out[f"around_verify_ms_b{batch}_budget16"] = sum(m[s]["median"] for s in AROUND_VERIFY if s in m) / 1e3
+    for stage in ("draft", "topk", "commit"):
+        ratios = [c["measured_over_floor"][stage] for c in cells if stage in c.get("measured_over_floor", {})]
+        out[f"{stage}_over_floor_max"] = max(ratios) if ratios else None
     return out
 
 

@@ -57,13 +57,22 @@ def test_bars_are_the_ratios_of_the_written_stage_times(payload):
     """Each bar recomputed here from the cells' stage medians and floors (eager on the CPU: no
     graph) equals the one written, so a bar built from the wrong cell or stage fails."""
     bars = payload["bars"]
-    assert set(bars) == {"ar_step_b1_over_floor", "build_accept_commit_share_b8_budget64", "draft_share_b1_budget64"}
+    assert set(bars) == {"ar_step_b1_over_floor", "build_accept_commit_share_b8_budget64", "draft_share_b1_budget64",
+                         "around_verify_ms_b1_budget16", "around_verify_ms_b32_budget16", "draft_over_floor_max",
+                         "topk_over_floor_max", "commit_over_floor_max"}
     cells = {(c["B"], c["budget"]): c for c in payload["cells"]}
     ar, b8, b1 = cells[1, 0], cells[8, 64]["eager"], cells[1, 64]["eager"]
+    around = lambda m: sum(m[s]["median"] for s in ("draft", "topk", "build", "accept", "commit")) / 1e3  # noqa: E731
+    worst = lambda stage: max(c["eager"][stage]["median"] / c["floors"][stage]["floor_us"]  # noqa: E731
+                              for c in cells.values() if c["budget"] or stage == "commit")
     want = {"ar_step_b1_over_floor": ar["eager"]["round"]["median"] / ar["floors"]["weight_read"]["floor_us"],
             "build_accept_commit_share_b8_budget64":
                 (b8["build"]["median"] + b8["accept"]["median"] + b8["commit"]["median"]) / b8["round"]["median"],
-            "draft_share_b1_budget64": b1["draft"]["median"] / b1["round"]["median"]}
+            "draft_share_b1_budget64": b1["draft"]["median"] / b1["round"]["median"],
+            "around_verify_ms_b1_budget16": around(cells[1, 16]["eager"]),
+            "around_verify_ms_b32_budget16": around(cells[32, 16]["eager"]),
+            "draft_over_floor_max": worst("draft"), "topk_over_floor_max": worst("topk"),
+            "commit_over_floor_max": worst("commit")}
     assert bars == pytest.approx(want, rel=1e-12)
     assert all(positive(v) for v in bars.values())
     assert bars["build_accept_commit_share_b8_budget64"] < 1 and bars["draft_share_b1_budget64"] < 1

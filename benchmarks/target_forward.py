@@ -62,24 +62,24 @@ def floor_us(cfg: TargetConfig, dense: int, expert_bytes: float, batch: int, row
     return max(memory, compute), ("memory" if memory >= compute else "compute")
 
 
-def setup(model, batch: int, rows: int, prefix: int):
+def setup(model, batch: int, rows: int, prefix: int, device: str = "cuda"):
     """Caches holding a random committed prefix and the metadata of one verify forward."""
     pages = (prefix + rows + PAGE - 1) // PAGE
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     caches = model.new_cache(batch * pages, PAGE)
     for cache in caches:
         cache.normal_(0, 1, generator=gen)
-    prefix_lens = torch.full((batch,), prefix, dtype=torch.int32, device="cuda")
-    chain = torch.ones(rows, rows, dtype=torch.bool, device="cuda").tril()
+    prefix_lens = torch.full((batch,), prefix, dtype=torch.int32, device=device)
+    chain = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
     meta = ForwardMeta.build(
-        torch.randperm(batch * pages, device="cuda", generator=gen).view(batch, pages).int(),
+        torch.randperm(batch * pages, device=device, generator=gen).view(batch, pages).int(),
         prefix_lens,
-        torch.full((batch,), rows, dtype=torch.int32, device="cuda"),
-        prefix + torch.arange(rows, device="cuda").expand(batch, rows),
+        torch.full((batch,), rows, dtype=torch.int32, device=device),
+        prefix + torch.arange(rows, device=device).expand(batch, rows),
         pack_visibility(chain.expand(batch, rows, rows)),
         page_size=PAGE, scratch_page=batch * pages,  # new_cache's extra last page
     )
-    ids = torch.randint(0, model.cfg.vocab_size, (batch, rows), device="cuda", generator=gen)
+    ids = torch.randint(0, model.cfg.vocab_size, (batch, rows), device=device, generator=gen)
     return ids, meta, caches
 
 

@@ -10,6 +10,11 @@ uniform routing, by simulation), the latent cache of the batch's prefix, and per
 a layer, one for the embedding and one all-gather of the logits (a drafter pass adds one of each),
 each costing collective_us + bytes / bus bandwidth. Nothing here ran on a GPU: the figures are the
 assumptions' consequences, written to benchmarks/results/ labelled as a projection.
+
+    python benchmarks/tp_projection.py --measured benchmarks/results/tp_rank_forward-kimi-k2.6-rank0of8-nvidia-h200.json
+
+--measured takes a rank's own work from tp_rank_forward.py (one rank's share of the forward timed
+alone on one GPU) in place of the bytes at the assumed bandwidth; the collectives stay assumed.
 """
 
 from __future__ import annotations
@@ -70,10 +75,22 @@ def rank_bytes(cfg, ranks: int, rows: int, prefix: int, batch: int) -> dict:
     }
 
 
-def project(cfg, ranks: int, batch: int, rows: int, prefix: int, args) -> dict:
+def load_measured(path: Path, config: str, prefix: int) -> tuple[int, dict, dict]:
+    """(ranks, {(B, rows): a rank's forward in us}, the run's environment) from tp_rank_forward.py's JSON."""
+    data = json.loads(Path(path).read_text())
+    if data["config"] != config or data["prefix"] != prefix:
+        raise SystemExit(f"{path} measured {data['config']} at prefix {data['prefix']}, not {config} at {prefix}")
+    return data["ranks"], {(r["batch"], r["rows"]): r["forward_us"] for r in data["rows"]}, data["environment"]
+
+
+def project(cfg, ranks: int, batch: int, rows: int, prefix: int, args, measured: dict | None = None) -> dict:
     parts = rank_bytes(cfg, ranks, rows, prefix, batch)
     touched = parts.pop("experts_on_busiest_rank_per_layer")
     read_us = sum(parts.values()) / (args.bandwidth_GBps * 1e3)
+    if measured is not None:
+        if (batch, rows) not in measured:
+            raise SystemExit(f"the measured file has no B = {batch}, rows = {rows}")
+        read_us = measured[batch, rows]
     tokens = batch * rows
     collectives = 2 * cfg.num_hidden_layers + 2 if ranks > 1 else 0  # per layer 2, the embedding, the logits
     reduce_bytes = tokens * cfg.hidden_size * 2
@@ -88,7 +105,7 @@ def project(cfg, ranks: int, batch: int, rows: int, prefix: int, args) -> dict:
             "bytes_per_rank": parts}
 
 
-def main() -> None:
+def main(argv=None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="kimi-k2.6")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8])
@@ -98,29 +115,39 @@ def main() -> None:
     parser.add_argument("--bandwidth-GBps", type=float, default=4300.0, help="each GPU's copy bandwidth (assumed)")
     parser.add_argument("--collective-us", type=float, default=15.0, help="latency of one small collective (assumed)")
     parser.add_argument("--bus-GBps", type=float, default=350.0, help="all-reduce bus bandwidth (assumed)")
+    parser.add_argument("--measured", type=Path, default=None,
+                        help="tp_rank_forward.py's JSON: a rank's measured work in place of the bytes' estimate")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     raw = json.loads((CONFIGS / f"{args.config}.json").read_text())
     raw.pop("benchmark_drafter", None)
     cfg = TargetConfig.from_dict(raw)
-    rows = [project(cfg, r, b, budget + 1, args.prefix, args) for r in args.ranks for b in args.batches
+    measured, run = None, None
+    if args.measured:
+        ranks, measured, run = load_measured(args.measured, args.config, args.prefix)
+        args.ranks = [ranks]
+    rows = [project(cfg, r, b, budget + 1, args.prefix, args, measured) for r in args.ranks for b in args.batches
             for budget in args.budgets]
     for row in rows:
         ar = next(x for x in rows if x["ranks"] == row["ranks"] and x["batch"] == row["batch"] and x["rows"] == 1)
         row["over_ar"] = row["step_us"] / ar["step_us"]
     table = markdown_table(
-        ["ranks", "B", "tree rows", "weights + cache read (us)", "collectives", "collectives (us)", "forward (us)",
+        ["ranks", "B", "tree rows", "a rank's work, measured (us)" if measured else "weights + cache read (us)", "collectives", "collectives (us)", "forward (us)",
          "x ar step", "experts on the busiest rank per layer"],
         [[r["ranks"], r["batch"], r["rows"], f"{r['read_us']:.0f}", r["collectives"], f"{r['collectives_us']:.0f}",
           f"{r['step_us']:.0f}", f"{r['over_ar']:.2f}", f"{r['busiest_rank_experts_per_layer']:.1f}"] for r in rows])
-    note = (f"A PROJECTION, computed on a CPU: no GPU ran this. Target forward only (the drafter pass, top-k, build "
-            f"and commit are left out). Assumed: {args.bandwidth_GBps:.0f} GB/s copy bandwidth per GPU, "
-            f"{args.collective_us:.0f} us per collective plus its bytes at {args.bus_GBps:.0f} GB/s bus bandwidth; "
-            f"uniform routing; prefix {args.prefix}.")
+    work = (f"A rank's own work measured on one {run['gpu']} at {run['commit']} ({args.measured.name}); the "
+            f"collectives assumed: " if measured else
+            f"Assumed: {args.bandwidth_GBps:.0f} GB/s copy bandwidth per GPU, ")
+    note = (f"A PROJECTION: no machine of {args.ranks[0]} GPUs ran this. Target forward only (the drafter pass, "
+            f"top-k, build and commit are left out). {work}{args.collective_us:.0f} us per collective plus its "
+            f"bytes at {args.bus_GBps:.0f} GB/s bus bandwidth; uniform routing; prefix {args.prefix}.")
     payload = {"environment": environment(), "projection": True, "config": args.config, "assumptions": vars(args) | {
-        "out": None}, "rows": rows}
-    path = write_results(f"tp_projection-{args.config}", payload, note + "\n\n" + table, args.out)
+        "out": None, "measured": str(args.measured) if args.measured else None}, "measured_run": run, "rows": rows}
+    name = f"tp_projection-{args.config}" + ("-measured" if measured else "")
+    path = write_results(name, payload, note + "\n\n" + table, args.out)
     print(path.read_text())
+    return path
 
 
 if __name__ == "__main__":

@@ -115,11 +115,12 @@ def assign(params: dict[str, torch.nn.Parameter], key: str, name: str, tensor: t
 
 def random_target(
     cfg: TargetConfig, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0,
-    std: float = 0.02, policy: KernelPolicy = KernelPolicy()
+    std: float = 0.02, policy: KernelPolicy = KernelPolicy(), shard: Shard = SINGLE
 ) -> Target:
     """A target with random weights made directly on `device` (no host copy, no checkpoint), for
-    benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2)."""
-    return init_random(_empty_target(cfg, dtype, device, policy), seed=seed, std=std).eval()
+    benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2); shard: the
+    part one rank holds (parallel/shard.py)."""
+    return init_random(_empty_target(cfg, dtype, device, policy, shard), seed=seed, std=std).eval()
 
 
 @torch.no_grad()

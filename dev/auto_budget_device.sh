@@ -29,12 +29,22 @@ for part in "$@"; do
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
                --tiles auto --out "$out" 2>&1 | tail -12 ;;
     int4vs) # the INT4 layer at HEAD beside INT4_BASE's (default 9820291, before the row kernels' restructure), one run
-      base=${INT4_BASE:-9820291}; rm -rf /tmp/int4base && mkdir -p /tmp/int4base && git archive "$base" src benchmarks/moe_paths.py \
-        benchmarks/common.py benchmarks/configs | tar -x -C /tmp/int4base || { echo "no $base in this .git"; continue; }
+      # the base tree: .base/<commit> when carried (git archive here), else from the device's .git
+      base=${INT4_BASE:-9820291}; rm -rf /tmp/int4base && mkdir -p /tmp/int4base
+      if [ -d ".base/$base" ]; then cp -r ".base/$base/." /tmp/int4base; else git archive "$base" src benchmarks/moe_paths.py \
+        benchmarks/common.py benchmarks/configs | tar -x -C /tmp/int4base || { echo "no $base in this .git"; continue; }; fi
       timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} \
         --tiles auto,1x32x256,1x8x256 --out "$out/int4head" 2>&1 | grep "^| kimi"
       DDTREE_COMMIT=$base timeout "${INT4_S:-150}" python3 /tmp/int4base/benchmarks/moe_paths.py --configs kimi-k2.6 \
         --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles auto --out "$out/int4base" 2>&1 | grep "^| kimi" ;;
+    tpbase) # issue 25: engine_round (Moonlight) just before the tensor-parallel commits and just after, one run;
+            # each tree git-archived here under .base/<commit> (carry .base)
+      for c in ${TP_BASES:-b02c2c6 fd3c16f}; do
+        [ -d ".base/$c" ] || { echo "no .base/$c here"; continue; }
+        DDTREE_COMMIT=$c PYTHONPATH=.base/$c/src timeout "${TPB_S:-240}" python3 .base/$c/benchmarks/engine_round.py \
+          --batches ${TPB_BATCHES:-1 32} --budgets 16 --e2e-batches 1 8 --lengths 4 --out "$out/tp-$c" > "$out/tp-$c.log" 2>&1
+        echo "tpbase $c rc $?"; grep -A6 "^## Bars" "$out/tp-$c"/*.md | head -8
+      done ;;
     int4tiles) timeout "${INT4_S:-240}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65} \
                  --tiles "${INT4_TILES:-auto,16x32x128,1x32x256,2x32x256,1x64x256,1x16x256,1x32x512,4x32x128}" \
                  --out "$out/int4tiles" 2>&1 | grep -v "^|" | tail -12 ;;

@@ -176,6 +176,23 @@ def test_the_core_ends_with_its_server(pairs, tmp_path):
             proc.kill()
 
 
+def test_two_threads_stopping_the_core_at_once_both_return(pairs):
+    """The app's lifespan stops the core from a worker thread while the server's owner may stop it
+    too: both calls return (two zmq Context.term calls at once would hang one), the core is gone."""
+    core = _core(pairs)
+    core.launch()
+    core.start()
+    pid = core.pid
+    start = threading.Barrier(2)
+    threads = [threading.Thread(target=lambda: (start.wait(), core.stop()), daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a concurrent stop() hung"
+    assert _gone(pid, 10)
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(child) for child in f.read().split()]

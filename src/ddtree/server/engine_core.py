@@ -53,6 +53,7 @@ class EngineCore:
         self._handles: dict[str, Handle] = {}
         self._waiting: set[str] = set()  # submitted, neither started nor failed: the queue's length
         self._lock = threading.Lock()  # the PUSH socket and the two collections
+        self._stop_lock = threading.Lock()  # stop() callers, one at a time
         self._draining = threading.Event()
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
@@ -109,17 +110,19 @@ class EngineCore:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the core (its running requests fail with 503) and wait for it; kill it past timeout_s.
-        Idempotent: serve calls it again on every way out."""
-        if self._to_core.closed:
-            return
-        self._stopping.set()
-        self._send(("stop",))
-        if self._process is not None:
-            self._process.join(timeout_s)
-        if self._receiver is not None:
-            self._receiver.join(5)
-        self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
-        self._close(kill=True)
+        Idempotent, and one caller at a time (the app's lifespan and its server's owner may both call
+        it: two zmq Context.term calls at once hang one of them)."""
+        with self._stop_lock:
+            if self._to_core.closed:
+                return
+            self._stopping.set()
+            self._send(("stop",))
+            if self._process is not None:
+                self._process.join(timeout_s)
+            if self._receiver is not None:
+                self._receiver.join(5)
+            self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
+            self._close(kill=True)
 
     def _close(self, kill: bool = False) -> None:
         if kill and self._process is not None and self._process.is_alive():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import socket
 import sys
 import threading
 import time
@@ -52,8 +51,9 @@ def serve(app) -> tuple[str, object]:
     """uvicorn serving `app` from a thread on a free loopback port: (url, server)."""
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    from ddtree.server.listening import listen
+
+    (sock,) = listen("127.0.0.1", 0)  # as serve binds: TCP_NODELAY on what it accepts
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -13,6 +12,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree.server.listening import listen
 
 from ..engine.pairs import EOS, make_pair
 
@@ -36,8 +37,7 @@ class LiveServer:
 
     def __init__(self, app):
         self.app = app
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind(("127.0.0.1", 0))
+        (self._sock,) = listen("127.0.0.1", 0)  # as serve binds (TCP_NODELAY on what it accepts)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)

@@ -1,6 +1,8 @@
 """The listening sockets serve takes before its model loads: every address of the host, one free
-port for all with port 0, IPv6 sockets IPv6-only, one-line errors with nothing left open."""
+port for all with port 0, IPv6 sockets IPv6-only, one-line errors with nothing left open; the
+connections they accept send without Nagle's delay."""
 
+import asyncio
 import gc
 import socket
 import warnings
@@ -21,6 +23,41 @@ def test_port_zero_is_reported_as_the_port_got():
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _accepted_nodelay(listening: socket.socket) -> int:
+    """TCP_NODELAY of the connection asyncio (so uvicorn) accepts on `listening`."""
+
+    async def accept_one() -> int:
+        got = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                got.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listening)
+        _, writer = await asyncio.open_connection(*listening.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(got, 5)
+        finally:
+            writer.close()
+            server.close()
+
+    return asyncio.run(accept_one())
+
+
+def test_accepted_connections_send_without_nagles_delay():
+    """asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP: a socket made with
+    proto 0 (socket.socket(AF_INET, SOCK_STREAM)) serves SSE with Nagle on, and on a kept-alive
+    connection each response's first chunk waits for the client's delayed ACK of its headers (40 ms
+    on Linux). listen() takes the resolver's proto."""
+    (sock,) = listen("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP and _accepted_nodelay(sock) != 0
+    plain = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    assert _accepted_nodelay(plain) == 0  # what the check above guards against
 
 
 def test_every_address_of_the_host_on_one_port():

@@ -6,7 +6,8 @@ metrics, so neither waits for the other's interpreter. This module is the HTTP p
 Transport: two ZeroMQ PUSH / PULL sockets (pyzmq) on ipc:// paths, one pickled Python object per
 message. To the core: ("submit", job), ("abort", id), ("fail_all",), ("stop",). From the core:
 ("ready", facts, snapshot, tokenizer, core decodes) once the engine is loaded, or ("failed", type, line); then per scheduler turn at most one
-("turn", events, metric updates, snapshot), events being (request id, Accepted | Chunk | Failed).
+("turn", events, metric updates, snapshot), events being (request id, Accepted | Chunk | Failed); a receiver
+that fell behind routes the turns waiting for it at once, each request's chunks joined (jobs.joined_turns).
 The core's sends are queued by ZeroMQ: it never waits for the HTTP side or a client.
 
 Lifetime: the HTTP process starts the core, stops it with ("stop",) (it drains on SIGTERM first, as
@@ -29,12 +30,14 @@ import zmq
 
 from .core_process import POLL_MS, core_main
 from .errors import APIError
-from .jobs import Chunk, Failed, Handle, push_all
+from .jobs import Chunk, Failed, Handle, joined_turns, push_all
 from .outputs import TextOutputs
 from .prompts import encode_text
 from .scheduler import QueueFull
 
 log = logging.getLogger("ddtree.server")
+
+MAX_TURNS = 64  # the core's turns one wake-up of the receiver routes at most
 
 
 class EngineCore:
@@ -208,18 +211,29 @@ class EngineCore:
                 log.exception("engine-core receiver: unexpected error; going on")
 
     def _receive_one(self) -> bool:
-        """Route one message, or notice that the core died; False: nothing more will come."""
+        """Route the turns the core has sent (up to MAX_TURNS at once: a receiver that fell behind
+        joins each request's chunks across them), or notice that the core died; False: nothing
+        more will come."""
         if self._from_core.poll(POLL_MS):
-            message = self._from_core.recv_pyobj()
-            if message[0] == "died":  # the core's engine cannot go on (a tensor-parallel rank lost)
-                return self._died(message[1])
-            _, events, updates, snapshot = message
-            self._route(events)
-            self.snapshot = {**snapshot, "queued": len(self._waiting)}
-            if self.metrics is not None:
-                for name, method, value in updates:
-                    getattr(getattr(self.metrics, name), method)(value)
-                self.metrics.publish(self.snapshot)
+            events, snapshot = [], None
+            for _ in range(MAX_TURNS):
+                try:
+                    message = self._from_core.recv_pyobj(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if message[0] == "died":  # the core's engine cannot go on (a tensor-parallel rank lost)
+                    self._route(joined_turns(events))
+                    return self._died(message[1])
+                _, turn_events, updates, snapshot = message
+                events.extend(turn_events)
+                if self.metrics is not None:
+                    for name, method, value in updates:
+                        getattr(getattr(self.metrics, name), method)(value)
+            self._route(joined_turns(events))
+            if snapshot is not None:
+                self.snapshot = {**snapshot, "queued": len(self._waiting)}
+                if self.metrics is not None:
+                    self.metrics.publish(self.snapshot)
         elif not self._process.is_alive() and not self._stopping.is_set():
             return self._died(f"the engine process stopped unexpectedly (exit code {self._process.exitcode})")
         return True

@@ -87,6 +87,12 @@ class Chunk:
     def __reduce__(self):  # as Usage's
         return Chunk, _CHUNK_FIELDS(self)
 
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk and the request's next one as one: text joined, tokens counted, the later's
+        usage and finish_reason."""
+        return Chunk(self.text + later.text, self.num_tokens + later.num_tokens, later.usage, later.finish_reason,
+                     self.token_ids + later.token_ids)
+
 
 # every field, in order, for __reduce__ (a field added later travels too)
 _USAGE_FIELDS = attrgetter(*(f.name for f in fields(Usage)))
@@ -127,11 +133,31 @@ class Handle:
         while chunk.finish_reason is None and self.held is None and not self.queue.empty():
             event = self.queue.get_nowait()
             if isinstance(event, Chunk):
-                chunk = Chunk(chunk.text + event.text, chunk.num_tokens + event.num_tokens, event.usage,
-                              event.finish_reason, chunk.token_ids + event.token_ids)
+                chunk = chunk.then(event)
             else:
                 self.held = event
         return chunk
+
+
+def joined_turns(events: list[tuple[str, object]]) -> list[tuple[str, object]]:
+    """(request id, event) pairs of several turns, in order, with each request's consecutive chunks
+    joined into one (Chunk.then): what a receiver that fell behind delivers, one event per request
+    instead of one per turn. A request's events keep their order; a chunk never joins one that
+    ended its request or that another kind of event followed."""
+    out: list[tuple[str, object]] = []
+    open_chunk: dict[str, int] = {}  # request id -> index in out of its chunk that may grow
+    for request_id, event in events:
+        at = open_chunk.get(request_id)
+        if at is not None and isinstance(event, Chunk):
+            out[at] = (request_id, out[at][1].then(event))
+        else:
+            out.append((request_id, event))
+            at = len(out) - 1
+        if isinstance(event, Chunk) and event.finish_reason is None:
+            open_chunk[request_id] = at
+        else:
+            open_chunk.pop(request_id, None)
+    return out
 
 
 def push_all(events: list[tuple[Handle, object]]) -> None:

@@ -67,6 +67,9 @@ class _RecordedMetric:
     def observe(self, value: float) -> None:
         self.outbox.add("update", (self.name, "observe", value))
 
+    def observe_counts(self, counts: dict) -> None:
+        self.outbox.add("update", (self.name, "observe_counts", counts))
+
 
 class _RecordedMetrics:
     """What Scheduler updates on server.metrics.Metrics (any counter or histogram by its name),

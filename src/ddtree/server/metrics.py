@@ -3,13 +3,54 @@ can live in one process, as in the tests). Scraped as text at GET /metrics."""
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 _TREE_SIZE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class CountedHistogram:
+    """A Prometheus histogram of values observed many at a time (one per request and round: in `ar`
+    one per token), kept as a count per distinct value and exposed at scrape time through
+    prometheus-client's custom-collector API. observe_counts adds a request's rounds in one call,
+    where Histogram.observe would cost a call and a lock per value."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
+        self.name, self.documentation, self.buckets = name, documentation, tuple(buckets)
+        self._counts: dict[float, int] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.observe_counts({value: 1})
+
+    def observe_counts(self, counts: dict[float, int]) -> None:
+        """Observe each value `count` times ({value: count})."""
+        with self._lock:
+            for value, count in counts.items():
+                self._counts[value] = self._counts.get(value, 0) + count
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self):
+        with self._lock:
+            counts = sorted(self._counts.items())
+        cumulative, at, buckets = 0, 0, []
+        for bound in self.buckets:
+            while at < len(counts) and counts[at][0] <= bound:
+                cumulative += counts[at][1]
+                at += 1
+            buckets.append((str(float(bound)), cumulative))
+        buckets.append(("+Inf", sum(count for _, count in counts)))
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
+                                    sum_value=sum(value * count for value, count in counts))
 
 
 class Metrics:
@@ -27,12 +68,12 @@ class Metrics:
         self.prompt_tokens = Counter("ddtree_prompt_tokens", "Prompt tokens of accepted requests", registry=registry)
         self.generated_tokens = Counter("ddtree_generated_tokens", "Tokens committed to requests",
                                         registry=registry)
-        self.acceptance_length = Histogram("ddtree_acceptance_length", "Tokens committed per request per round "
-                                           "(accepted draft tokens + the bonus; 1 in ar)", buckets=_ACCEPT_BUCKETS,
-                                           registry=registry)
-        self.tree_size = Histogram("ddtree_tree_size", "Tree nodes verified per request per round (0: a plain "
-                                   "decode step; budget \"auto\" chooses it each round)", buckets=_TREE_SIZE_BUCKETS,
-                                   registry=registry)
+        self.acceptance_length = CountedHistogram(
+            "ddtree_acceptance_length", "Tokens committed per request per round (accepted draft tokens + the bonus; "
+            "1 in ar)", _ACCEPT_BUCKETS, registry)
+        self.tree_size = CountedHistogram(
+            "ddtree_tree_size", "Tree nodes verified per request per round (0: a plain decode step; budget \"auto\" "
+            "chooses it each round)", _TREE_SIZE_BUCKETS, registry)
         self.round_seconds = Histogram("ddtree_round_seconds", "Wall time of one engine step (admission, prefill "
                                        "and one round for the running batch)", buckets=_ROUND_BUCKETS,
                                        registry=registry)

@@ -18,6 +18,7 @@ for, fails the requests that were running in it, aborts them, and the loop goes 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -319,10 +320,8 @@ class Scheduler:
         stats = result.stats
         usage.rounds, usage.mean_acceptance_length = stats.rounds, stats.mean_acceptance_length
         usage.seed = result.seed if sampled else None
-        for length in stats.acceptance_lengths:
-            self.metrics.acceptance_length.observe(length)
-        for size in stats.tree_sizes:
-            self.metrics.tree_size.observe(size)
+        self.metrics.acceptance_length.observe_counts(collections.Counter(stats.acceptance_lengths))
+        self.metrics.tree_size.observe_counts(collections.Counter(stats.tree_sizes))
         self.metrics.request_seconds.observe(now - live.accepted_at)
         live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason, tokens))
 

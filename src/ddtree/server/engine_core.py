@@ -18,6 +18,7 @@ every waiting request with a 503 and `died` says why.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import multiprocessing
@@ -27,6 +28,7 @@ import threading
 import time
 
 import zmq
+import zmq.asyncio
 
 from .core_process import POLL_MS, core_main
 from .errors import APIError
@@ -52,7 +54,7 @@ class EngineCore:
         self.facts: dict = {}
         self.snapshot: dict = {}
         self.died: str | None = None  # why the core ended while serving
-        self.on_death = None  # called once (from the receiver thread) when the core dies while serving
+        self.on_death = None  # called once (from the receiver: the app's loop or a thread) when the core dies while serving
         self._handles: dict[str, Handle] = {}
         self._waiting: set[str] = set()  # submitted, neither started nor failed: the queue's length
         self._lock = threading.Lock()  # the PUSH socket and the two collections
@@ -60,6 +62,9 @@ class EngineCore:
         self._draining = threading.Event()
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
+        self._receiver_task: asyncio.Task | None = None  # or the receiver runs in the app's loop
+        self._receiver_loop = None
+        self._receiver_ended = threading.Event()
         self._process = None
         self._outputs = TextOutputs(None)  # the requests' text, with the core's tokenizer once launched
         self._core_decodes = False
@@ -107,9 +112,17 @@ class EngineCore:
         return self.facts
 
     def start(self) -> None:
-        """Start routing the core's events (the app's lifespan)."""
-        self._receiver = threading.Thread(target=self._receive, name="ddtree-core-receiver", daemon=True)
-        self._receiver.start()
+        """Start routing the core's events: called in a running event loop (the app's lifespan), as
+        a task of that loop, so one thread does all of the HTTP side's work (a receiver thread beside
+        the loop passed the interpreter lock back and forth every turn); else from a thread."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._receiver = threading.Thread(target=self._receive, name="ddtree-core-receiver", daemon=True)
+            self._receiver.start()
+            return
+        self._receiver_loop = loop
+        self._receiver_task = loop.create_task(self._receive_in_loop())
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the core (its running requests fail with 503) and wait for it; kill it past timeout_s.
@@ -124,8 +137,16 @@ class EngineCore:
                 self._process.join(timeout_s)
             if self._receiver is not None:
                 self._receiver.join(5)
+            elif self._receiver_task is not None and not self._on_receiver_loop():
+                self._receiver_ended.wait(5)  # sockets are closed below: not while the task polls
             self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
             self._close(kill=True)
+
+    def _on_receiver_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._receiver_loop
+        except RuntimeError:
+            return False
 
     def _close(self, kill: bool = False) -> None:
         if kill and self._process is not None and self._process.is_alive():
@@ -198,23 +219,38 @@ class EngineCore:
                 except zmq.Again:
                     pass
 
-    # -- the receiver thread ----------------------------------------------------------------------------
+    # -- the receiver (a task of the app's loop, or a thread) --------------------------------------------
 
     def _receive(self) -> None:
         while not self._stopping.is_set():
             try:
-                if not self._receive_one():
+                if not self._receive_one(POLL_MS):
                     return
             except Exception:  # never let the thread die silently: the requests would wait forever
                 if self._stopping.is_set():
                     return
                 log.exception("engine-core receiver: unexpected error; going on")
 
-    def _receive_one(self) -> bool:
+    async def _receive_in_loop(self) -> None:
+        readable = zmq.asyncio.Socket.from_socket(self._from_core)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    await readable.poll(POLL_MS)
+                    if not self._receive_one(0):
+                        return
+                except Exception:  # never let the task end silently: the requests would wait forever
+                    if self._stopping.is_set():
+                        return
+                    log.exception("engine-core receiver: unexpected error; going on")
+        finally:
+            self._receiver_ended.set()
+
+    def _receive_one(self, wait_ms: int) -> bool:
         """Route the turns the core has sent (up to MAX_TURNS at once: a receiver that fell behind
         joins each request's chunks across them), or notice that the core died; False: nothing
         more will come."""
-        if self._from_core.poll(POLL_MS):
+        if self._from_core.poll(wait_ms):
             events, snapshot = [], None
             for _ in range(MAX_TURNS):
                 try:

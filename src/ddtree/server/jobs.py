@@ -167,7 +167,14 @@ def push_all(events: list[tuple[Handle, object]]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for handle, event in events:
         by_loop.setdefault(handle.loop, []).append((handle, event))
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
     for loop, pairs in by_loop.items():
+        if loop is running:  # pushed from the loop itself (the engine core's receiver task): no wake-up
+            _put_all(pairs)
+            continue
         try:
             loop.call_soon_threadsafe(_put_all, pairs)
         except RuntimeError:  # the event loop closed (server shutting down): nobody is listening

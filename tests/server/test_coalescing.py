@@ -46,24 +46,3 @@ def test_an_error_behind_the_chunks_ends_the_merge_and_comes_next():
         assert handle.coalesce(alone) is alone  # nothing pending: the chunk as it came
 
     asyncio.run(run())
-
-
-def test_turns_a_receiver_fell_behind_on_join_each_requests_chunks_in_order():
-    """Three turns of the core, routed at once: a's chunks become one, b's too up to its last chunk
-    (the chunk after it stays apart), c's chunk does not join across its Failed, Accepted stays first."""
-    from ddtree.server.jobs import Accepted, joined_turns
-
-    failed = Failed(APIError(500, "boom"))
-    turns = [("a", Chunk("", 1, usage(1), token_ids=(5,))), ("b", Accepted(3)), ("c", Chunk("x", 1, usage(1))),
-             ("a", Chunk("", 2, usage(3), token_ids=(6, 7))), ("b", Chunk("y", 1, usage(1))), ("c", failed),
-             ("b", Chunk("z", 1, usage(2), finish_reason="length")), ("c", Chunk("w", 1, usage(2))),
-             ("a", Chunk("", 1, usage(4), token_ids=(8,))), ("b", Chunk("late", 1, usage(3)))]
-    out = joined_turns(turns)
-    by_request = {rid: [e for r, e in out if r == rid] for rid in "abc"}
-    (a,) = by_request["a"]
-    assert (a.token_ids, a.num_tokens, a.usage.completion_tokens, a.finish_reason) == ((5, 6, 7, 8), 4, 4, None)
-    accepted, b, late = by_request["b"]
-    assert isinstance(accepted, Accepted)
-    assert (b.text, b.num_tokens, b.finish_reason, late.text) == ("yz", 2, "length", "late")
-    assert [getattr(e, "text", e) for e in by_request["c"]] == ["x", failed, "w"]
-    assert joined_turns([]) == [] and joined_turns(turns[:1]) == turns[:1]

@@ -18,6 +18,7 @@ from ..engine.heap import frozen_heap
 from .errors import APIError
 from .jobs import Failed
 from .scheduler import QueueFull, Scheduler
+from .wire import to_wire
 
 log = logging.getLogger("ddtree.server")
 POLL_MS = 100  # how often a waiting side looks up from its socket (the other process may be gone)
@@ -142,7 +143,7 @@ def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dic
         if events or updates or snapshot != last:
             last.clear()
             last.update(snapshot)
-            outbox_socket.send_pyobj(("turn", events, updates, snapshot))  # never blocks: the queue has no bound
+            outbox_socket.send_pyobj(("turn", to_wire(events), updates, snapshot))  # never blocks: no bound
 
     tokenizer, decodes_here = tokenizer_to_send(engine.tokenizer)
     scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle,

@@ -7,7 +7,7 @@ Transport: two ZeroMQ PUSH / PULL sockets (pyzmq) on ipc:// paths, one pickled P
 message. To the core: ("submit", job), ("abort", id), ("fail_all",), ("stop",). From the core:
 ("ready", facts, snapshot, tokenizer, core decodes) once the engine is loaded, or ("failed", type, line); then per scheduler turn at most one
 ("turn", events, metric updates, snapshot), events being (request id, Accepted | Chunk | Failed); a receiver
-that fell behind routes the turns waiting for it at once, each request's chunks joined (jobs.joined_turns).
+that fell behind routes the turns waiting for it at once, each request's chunks joined (wire.joined_from_wire).
 The core's sends are queued by ZeroMQ: it never waits for the HTTP side or a client.
 
 Lifetime: the HTTP process starts the core, stops it with ("stop",) (it drains on SIGTERM first, as
@@ -32,10 +32,11 @@ import zmq.asyncio
 
 from .core_process import POLL_MS, core_main
 from .errors import APIError
-from .jobs import Chunk, Failed, Handle, joined_turns, push_all
+from .jobs import Chunk, Failed, Handle, push_all
 from .outputs import TextOutputs
 from .prompts import encode_text
 from .scheduler import QueueFull
+from .wire import joined_from_wire
 
 log = logging.getLogger("ddtree.server")
 
@@ -258,14 +259,14 @@ class EngineCore:
                 except zmq.Again:
                     break
                 if message[0] == "died":  # the core's engine cannot go on (a tensor-parallel rank lost)
-                    self._route(joined_turns(events))
+                    self._route(joined_from_wire(events))
                     return self._died(message[1])
                 _, turn_events, updates, snapshot = message
                 events.extend(turn_events)
                 if self.metrics is not None:
                     for name, method, value in updates:
                         getattr(getattr(self.metrics, name), method)(value)
-            self._route(joined_turns(events))
+            self._route(joined_from_wire(events))
             if snapshot is not None:
                 self.snapshot = {**snapshot, "queued": len(self._waiting)}
                 if self.metrics is not None:

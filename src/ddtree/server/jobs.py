@@ -97,6 +97,7 @@ class Chunk:
 # every field, in order, for __reduce__ (a field added later travels too)
 _USAGE_FIELDS = attrgetter(*(f.name for f in fields(Usage)))
 _CHUNK_FIELDS = attrgetter(*(f.name for f in fields(Chunk)))
+usage_fields = _USAGE_FIELDS  # a usage's fields as a tuple, in order (server/wire.py sends them)
 
 
 @dataclass
@@ -137,27 +138,6 @@ class Handle:
             else:
                 self.held = event
         return chunk
-
-
-def joined_turns(events: list[tuple[str, object]]) -> list[tuple[str, object]]:
-    """(request id, event) pairs of several turns, in order, with each request's consecutive chunks
-    joined into one (Chunk.then): what a receiver that fell behind delivers, one event per request
-    instead of one per turn. A request's events keep their order; a chunk never joins one that
-    ended its request or that another kind of event followed."""
-    out: list[tuple[str, object]] = []
-    open_chunk: dict[str, int] = {}  # request id -> index in out of its chunk that may grow
-    for request_id, event in events:
-        at = open_chunk.get(request_id)
-        if at is not None and isinstance(event, Chunk):
-            out[at] = (request_id, out[at][1].then(event))
-        else:
-            out.append((request_id, event))
-            at = len(out) - 1
-        if isinstance(event, Chunk) and event.finish_reason is None:
-            open_chunk[request_id] = at
-        else:
-            open_chunk.pop(request_id, None)
-    return out
 
 
 def push_all(events: list[tuple[Handle, object]]) -> None:

@@ -6,6 +6,9 @@ and against the floors.
     python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 2080 --tiles auto   # INT4 experts
     python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 --tiles auto,16x32x128,2x32x256
         # INT4 tiles: BLOCK_M below 16 is the row kernels' (ops/moe_int4_rows.py)
+    python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 2080 --tiles auto,64x128x64w8,64x128x64w8s2
+        # a tile's w / s suffix: the launches' warps and pipeline stages (ops/moe.py's NUM_WARPS and
+        # NUM_STAGES, INT4_ROWS_WARPS for the row kernels, set for that tile's runs only)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
@@ -20,7 +23,9 @@ Writes moe_paths-<gpu>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +39,7 @@ from ddtree.models import TargetConfig  # noqa: E402
 from ddtree.models.checkpoint import init_random  # noqa: E402
 from ddtree.models.layers import MoE  # noqa: E402
 from ddtree.ops import KernelPolicy  # noqa: E402
+from ddtree.ops import moe  # noqa: E402
 from ddtree.ops.moe import Workspace, fused_moe, grouped_moe  # noqa: E402
 from ddtree.ops.moe_align import token_chunks  # noqa: E402
 
@@ -41,8 +47,37 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
 
 
+TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?")
+
+
+def parse_tile(text: str):
+    """None for "auto", else (M, N, K, warps or None, stages or None) from "MxNxK[wW][sS]"."""
+    if text == "auto":
+        return None
+    match = TILE.fullmatch(text)
+    if match is None:
+        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS] (e.g. 64x128x64w8s2)")
+    return tuple(int(v) if v else None for v in match.groups())
+
+
 def tile_name(tile) -> str:
-    return "auto" if tile is None else "x".join(map(str, tile))
+    if tile is None:
+        return "auto"
+    m, n, k, warps, stages = tile
+    return f"{m}x{n}x{k}" + (f"w{warps}" if warps else "") + (f"s{stages}" if stages else "")
+
+
+@contextlib.contextmanager
+def launch_settings(warps: int | None, stages: int | None):
+    """ops/moe.py's launch constants set to these (None: as they are) while the block runs."""
+    saved = moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES
+    moe.NUM_WARPS = warps or saved[0]
+    moe.INT4_ROWS_WARPS = warps or saved[1]
+    moe.NUM_STAGES = stages or saved[2]
+    try:
+        yield
+    finally:
+        moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES = saved
 
 
 def moe_layer(name: str) -> MoE:
@@ -80,7 +115,7 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
         check = min(t, 4) if int4 else t
         want = grouped_moe(x[:check], *experts, weights[:check], ids[:check]).float()
         for tile in tiles:
-            m, n, k = tile or (None, None, None)  # auto: fused_moe's own choice (block_m_for, tiles_for)
+            m, n, k, warps, stages = tile or (None,) * 5  # auto: fused_moe's own choice (block_m_for, tiles_for)
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
             spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m, int4=int4)
                       for p in parts]
@@ -89,10 +124,11 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
                 for p, ws in zip(parts, spaces):
                     fused_moe(x[p], *experts, weights[p], ids[p], out=out[p], workspace=ws, block_m=m, block_n=n,
                               block_k=k)
-            out.fill_(float("nan"))
-            run()
-            err = (out[:check].float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-            row[f"fused_{tile_name(tile)}_us"] = time_graph_us(run, launches_per_graph=5, trials=15)
+            with launch_settings(warps, stages):
+                out.fill_(float("nan"))
+                run()
+                err = (out[:check].float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+                row[f"fused_{tile_name(tile)}_us"] = time_graph_us(run, launches_per_graph=5, trials=15)
             row[f"fused_{tile_name(tile)}_rel_err"] = err
         fused = {key: v for key, v in row.items() if key.startswith("fused_") and key.endswith("_us")}
         best = min(fused, key=fused.get)
@@ -115,7 +151,7 @@ def main() -> None:
         sys.exit("moe_paths.py needs a CUDA GPU")
     ceilings = measure_ceilings()
     print("ceilings", ceilings, flush=True)
-    tiles = [None if t == "auto" else tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",")]
+    tiles = [parse_tile(t) for t in args.tiles.split(",")]
     rows = []
     for name in args.configs:
         layer = moe_layer(name)

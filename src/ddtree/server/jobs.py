@@ -49,9 +49,6 @@ class Usage:
     mean_acceptance_length: float = 0.0
     seed: int | None = None
 
-    def __reduce__(self):  # pickled as its fields (the core sends one per chunk; the default is slower)
-        return Usage, _USAGE_FIELDS(self)
-
     def counted(self, completion_tokens: int) -> Usage:
         """This usage with another completion count (dataclasses.replace's result, at a fraction of
         its cost: the HTTP process makes one per chunk)."""
@@ -84,9 +81,6 @@ class Chunk:
     finish_reason: str | None = None
     token_ids: tuple[int, ...] = ()
 
-    def __reduce__(self):  # as Usage's
-        return Chunk, _CHUNK_FIELDS(self)
-
     def then(self, later: Chunk) -> Chunk:
         """This chunk and the request's next one as one: text joined, tokens counted, the later's
         usage and finish_reason."""
@@ -94,10 +88,7 @@ class Chunk:
                      self.token_ids + later.token_ids)
 
 
-# every field, in order, for __reduce__ (a field added later travels too)
-_USAGE_FIELDS = attrgetter(*(f.name for f in fields(Usage)))
-_CHUNK_FIELDS = attrgetter(*(f.name for f in fields(Chunk)))
-usage_fields = _USAGE_FIELDS  # a usage's fields as a tuple, in order (server/wire.py sends them)
+usage_fields = attrgetter(*(f.name for f in fields(Usage)))  # a usage's fields, in order (server/wire.py)
 
 
 @dataclass

@@ -28,10 +28,9 @@ import threading
 import time
 
 import zmq
-import zmq.asyncio
 
 from .core_process import POLL_MS, core_main
-from .errors import APIError
+from .errors import APIError, internal_error
 from .jobs import Chunk, Failed, Handle, push_all
 from .outputs import TextOutputs
 from .prompts import encode_text
@@ -140,6 +139,9 @@ class EngineCore:
                 self._receiver.join(5)
             elif self._receiver_task is not None and not self._on_receiver_loop():
                 self._receiver_ended.wait(5)  # sockets are closed below: not while the task polls
+            elif self._receiver_task is not None:  # called on the receiver's own loop: it cannot wait
+                self._stop_watching(self._receiver_loop, self._from_core.getsockopt(zmq.FD))
+                self._receiver_task.cancel()
             self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
             self._close(kill=True)
 
@@ -233,11 +235,19 @@ class EngineCore:
                 log.exception("engine-core receiver: unexpected error; going on")
 
     async def _receive_in_loop(self) -> None:
-        readable = zmq.asyncio.Socket.from_socket(self._from_core)
+        # ZeroMQ's descriptor signals that the socket's events may have changed (read them to rearm):
+        # wait on it only when no message is ready, and at most POLL_MS (is the core still alive?)
+        loop, ready, fd = asyncio.get_running_loop(), asyncio.Event(), self._from_core.getsockopt(zmq.FD)
+        loop.add_reader(fd, ready.set)
         try:
             while not self._stopping.is_set():
                 try:
-                    await readable.poll(POLL_MS)
+                    if not self._from_core.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        ready.clear()
+                        try:
+                            await asyncio.wait_for(ready.wait(), POLL_MS / 1000)
+                        except asyncio.TimeoutError:
+                            pass
                     if not self._receive_one(0):
                         return
                 except Exception:  # never let the task end silently: the requests would wait forever
@@ -245,35 +255,53 @@ class EngineCore:
                         return
                     log.exception("engine-core receiver: unexpected error; going on")
         finally:
+            self._stop_watching(loop, fd)
             self._receiver_ended.set()
+
+    def _stop_watching(self, loop, fd: int) -> None:
+        """The loop no longer watches the socket (idempotent): before the socket closes."""
+        if not loop.is_closed():
+            loop.remove_reader(fd)
 
     def _receive_one(self, wait_ms: int) -> bool:
         """Route the turns the core has sent (up to MAX_TURNS at once: a receiver that fell behind
         joins each request's chunks across them), or notice that the core died; False: nothing
-        more will come."""
+        more will come. The events are routed before the metric updates are applied, so that a
+        failing update loses no event."""
         if self._from_core.poll(wait_ms):
-            events, snapshot = [], None
+            events, updates, snapshot, died = [], [], None, None
             for _ in range(MAX_TURNS):
                 try:
                     message = self._from_core.recv_pyobj(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 if message[0] == "died":  # the core's engine cannot go on (a tensor-parallel rank lost)
-                    self._route(joined_from_wire(events))
-                    return self._died(message[1])
-                _, turn_events, updates, snapshot = message
+                    died = message[1]
+                    break
+                _, turn_events, turn_updates, snapshot = message
                 events.extend(turn_events)
-                if self.metrics is not None:
-                    for name, method, value in updates:
-                        getattr(getattr(self.metrics, name), method)(value)
+                updates.extend(turn_updates)
             self._route(joined_from_wire(events))
-            if snapshot is not None:
-                self.snapshot = {**snapshot, "queued": len(self._waiting)}
-                if self.metrics is not None:
-                    self.metrics.publish(self.snapshot)
+            self._apply(updates, snapshot)
+            if died is not None:
+                return self._died(died)
         elif not self._process.is_alive() and not self._stopping.is_set():
             return self._died(f"the engine process stopped unexpectedly (exit code {self._process.exitcode})")
         return True
+
+    def _apply(self, updates: list, snapshot: dict | None) -> None:
+        """The core's metric updates on this process's registry, and its latest snapshot."""
+        if snapshot is not None:
+            self.snapshot = {**snapshot, "queued": len(self._waiting)}
+        if self.metrics is None:
+            return
+        for name, method, value in updates:
+            try:
+                getattr(getattr(self.metrics, name), method)(value)
+            except Exception:  # a metric is not worth a request: log it and go on
+                log.exception("engine-core receiver: metric update %s.%s failed", name, method)
+        if snapshot is not None:
+            self.metrics.publish(self.snapshot)
 
     def _died(self, why: str) -> bool:
         """The core can serve no more: fail what it held, say why, end the server (on_death)."""
@@ -293,7 +321,12 @@ class EngineCore:
                 if handle is None:  # aborted here already, or ended at a stop string
                     continue
                 if isinstance(event, Chunk):
-                    event, stop = self._outputs.process(request_id, event)
+                    try:
+                        event, stop = self._outputs.process(request_id, event)
+                    except Exception:  # this request fails; the others' events still go out
+                        log.exception("request %s: failed while decoding its tokens", request_id)
+                        self._outputs.close(request_id)
+                        event, stop = Failed(internal_error(request_id)), True
                     if stop:
                         stopped.append(request_id)
                 elif isinstance(event, Failed):

@@ -19,7 +19,6 @@ reached linearly: T(full) = T(2) + (full - 2) (T(L) - T(2)) / (L - 2), labelled 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, markdown_table, time_graph_us, write_results  # noqa: E402
+from round_setup import target_config  # noqa: E402
 from target_forward import setup  # noqa: E402
 
 from ddtree.models import TargetConfig, random_target  # noqa: E402
 from ddtree.parallel.shard import Shard  # noqa: E402
-
-CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 @dataclass(frozen=True)
@@ -53,14 +51,6 @@ class LoneRank(Shard):
 
     def agree(self, value: int) -> int:
         return value
-
-
-def config(name: str, layers: int | None = None) -> TargetConfig:
-    raw = json.loads((CONFIGS / f"{name}.json").read_text())
-    raw.pop("benchmark_drafter", None)
-    if layers:
-        raw["num_hidden_layers"] = layers
-    return TargetConfig.from_dict(raw)
 
 
 @torch.no_grad()
@@ -93,15 +83,15 @@ def main(argv=None) -> Path:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("tp_rank_forward.py needs a CUDA GPU")
-    full = config(args.config).num_hidden_layers
+    full = target_config(args.config, None)[1]
     layers = min(args.layers or full, full)
     if layers < 3:
         sys.exit("--layers must be at least 3 (the scaling subtracts a 2-layer model)")
     shard = LoneRank(args.rank, args.ranks)
     shapes = [(b, budget + 1) for b in args.batches for budget in args.budgets]
     print(f"{args.config}: rank {args.rank} of {args.ranks}, {layers} of {full} layers", flush=True)
-    deep = time_depth(config(args.config, layers), shard, shapes, args.prefix, "cuda")
-    shallow = time_depth(config(args.config, 2), shard, shapes, args.prefix, "cuda") if layers < full else None
+    deep = time_depth(target_config(args.config, layers)[0], shard, shapes, args.prefix, "cuda")
+    shallow = time_depth(target_config(args.config, 2)[0], shard, shapes, args.prefix, "cuda") if layers < full else None
     rows = []
     for batch, n in shapes:
         t = deep[batch, n]

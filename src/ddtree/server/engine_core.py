@@ -63,7 +63,6 @@ class EngineCore:
         self._stopping = threading.Event()
         self._receiver: threading.Thread | None = None
         self._receiver_task: asyncio.Task | None = None  # or the receiver runs in the app's loop
-        self._receiver_loop = None
         self._receiver_ended = threading.Event()
         self._process = None
         self._outputs = TextOutputs(None)  # the requests' text, with the core's tokenizer once launched
@@ -121,7 +120,6 @@ class EngineCore:
             self._receiver = threading.Thread(target=self._receive, name="ddtree-core-receiver", daemon=True)
             self._receiver.start()
             return
-        self._receiver_loop = loop
         self._receiver_task = loop.create_task(self._receive_in_loop())
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -140,14 +138,14 @@ class EngineCore:
             elif self._receiver_task is not None and not self._on_receiver_loop():
                 self._receiver_ended.wait(5)  # sockets are closed below: not while the task polls
             elif self._receiver_task is not None:  # called on the receiver's own loop: it cannot wait
-                self._stop_watching(self._receiver_loop, self._from_core.getsockopt(zmq.FD))
+                self._stop_watching(self._receiver_task.get_loop(), self._from_core.getsockopt(zmq.FD))
                 self._receiver_task.cancel()
             self._fail_all(APIError(503, "the server is shutting down", code="shutting_down"))
             self._close(kill=True)
 
     def _on_receiver_loop(self) -> bool:
         try:
-            return asyncio.get_running_loop() is self._receiver_loop
+            return asyncio.get_running_loop() is self._receiver_task.get_loop()
         except RuntimeError:
             return False
 

@@ -47,37 +47,40 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
 
 
-TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?")
+TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(e?)")
 
 
 def parse_tile(text: str):
-    """None for "auto", else (M, N, K, warps or None, stages or None) from "MxNxK[wW][sS]"."""
+    """None for "auto", else (M, N, K, warps or None, stages or None, by element) from "MxNxK[wW][sS][e]"
+    (e: INT4 tiles unpacked element by element, ops/moe.py's INT4_BY_ELEMENT)."""
     if text == "auto":
         return None
     match = TILE.fullmatch(text)
     if match is None:
-        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS] (e.g. 64x128x64w8s2)")
-    return tuple(int(v) if v else None for v in match.groups())
+        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][e] (e.g. 64x128x64w8s2)")
+    *numbers, by_element = match.groups()
+    return (*(int(v) if v else None for v in numbers), by_element == "e")
 
 
 def tile_name(tile) -> str:
     if tile is None:
         return "auto"
-    m, n, k, warps, stages = tile
-    return f"{m}x{n}x{k}" + (f"w{warps}" if warps else "") + (f"s{stages}" if stages else "")
+    m, n, k, warps, stages, by_element = tile
+    return f"{m}x{n}x{k}" + (f"w{warps}" if warps else "") + (f"s{stages}" if stages else "") + ("e" if by_element else "")
 
 
 @contextlib.contextmanager
-def launch_settings(warps: int | None, stages: int | None):
+def launch_settings(warps: int | None, stages: int | None, by_element: bool = False):
     """ops/moe.py's launch constants set to these (None: as they are) while the block runs."""
-    saved = moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES
+    saved = moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES, moe.INT4_BY_ELEMENT
     moe.NUM_WARPS = warps or saved[0]
     moe.INT4_ROWS_WARPS = warps or saved[1]
     moe.NUM_STAGES = stages or saved[2]
+    moe.INT4_BY_ELEMENT = by_element or saved[3]
     try:
         yield
     finally:
-        moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES = saved
+        moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES, moe.INT4_BY_ELEMENT = saved
 
 
 def moe_layer(name: str) -> MoE:
@@ -115,7 +118,7 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
         check = min(t, 4) if int4 else t
         want = grouped_moe(x[:check], *experts, weights[:check], ids[:check]).float()
         for tile in tiles:
-            m, n, k, warps, stages = tile or (None,) * 5  # auto: fused_moe's own choice (block_m_for, tiles_for)
+            m, n, k, warps, stages, by_element = tile or (None,) * 5 + (False,)  # auto: fused_moe's own choice (block_m_for, tiles_for)
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
             spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m, int4=int4)
                       for p in parts]
@@ -124,7 +127,7 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
                 for p, ws in zip(parts, spaces):
                     fused_moe(x[p], *experts, weights[p], ids[p], out=out[p], workspace=ws, block_m=m, block_n=n,
                               block_k=k)
-            with launch_settings(warps, stages):
+            with launch_settings(warps, stages, by_element):
                 out.fill_(float("nan"))
                 run()
                 err = (out[:check].float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)

@@ -58,6 +58,9 @@ INT4_ROWS_TILES = (16, 256)
 INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
+# INT4 tiles on the tl.dot path unpacked word by word ([N, K / 8] loads) or element by element
+# (moe_kernels._int4_tile_by_element, [K, N] loads): benchmarks/moe_paths.py times both.
+INT4_BY_ELEMENT = False
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
 SHARED_M = 16  # tokens per shared-expert program beside the INT4 row kernels (tl.dot's minimum)
@@ -311,7 +314,8 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
     block_expert = ws.block_expert if block_expert is None else block_expert
     flags = dict(**dot_flags(x.dtype), DIRECT=direct, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
-                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, **launch_flags(x.device, pdl))
+                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, BY_ELEMENT=int4 and INT4_BY_ELEMENT,
+                 **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],

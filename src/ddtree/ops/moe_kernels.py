@@ -64,20 +64,52 @@ def _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stri
 
 
 @triton.jit
+def _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                          DTYPE):
+    """_int4_tile loaded straight in [BLOCK_K, BLOCK_N]: each element reads its own word and scale
+    (the 8 elements of a word share them through the cache) and shifts its value out, so no
+    reshape or transpose stands between the load and tl.dot; the same values, rounded the same way."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        mask = tl.broadcast_to(col_ok[None, :], (BLOCK_K, BLOCK_N))
+    else:
+        mask = (k < depth)[:, None] & col_ok[None, :]
+    rows = offs_n.to(tl.int64)[None, :]
+    words = tl.load(packed_ptr + rows * stride_pn + (k // 8)[:, None], mask=mask, other=0)
+    scale = tl.load(scale_ptr + rows * stride_sn + (k // GROUP)[:, None], mask=mask, other=0.0)
+    q = ((words >> ((k % 8) * 4)[:, None]) & 0xF) - 8
+    return (q.to(tl.float32) * scale.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def _int4_weight(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE,
+                 BY_ELEMENT: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] INT4 weight tile in DTYPE, unpacked by word or BY_ELEMENT (ops/moe.py's
+    INT4_BY_ELEMENT: which is faster is measured by benchmarks/moe_paths.py, tiles ending in e)."""
+    if BY_ELEMENT:
+        return _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                                     BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+    return _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                      BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+
+
+@triton.jit
 def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BY_ELEMENT: tl.constexpr):
     """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + offs_k < hidden)[None, :], other=0.0)
-        gate = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
-                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype)
+        gate = _int4_weight(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+                            BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
         acc_gate = dot(a, gate, acc_gate, DOT_F32, PRECISION)
-        up = _int4_tile(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
-                        BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype)
+        up = _int4_weight(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
         acc_up = dot(a, up, acc_up, DOT_F32, PRECISION)
         x_ptrs += BLOCK_K
     return acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -86,14 +118,14 @@ def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok
 @triton.jit
 def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BY_ELEMENT: tl.constexpr):
     """launch.matmul_tile with an INT4 expert weight [out, depth]; dtype: a's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k < depth)[None, :], other=0.0)
-        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                       BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype)
+        w = _int4_weight(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                         BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
         acc = dot(a, w, acc, DOT_F32, PRECISION)
         a_ptrs += BLOCK_K
     return acc
@@ -161,7 +193,7 @@ def gate_up_kernel(
     stride_xt, stride_we, stride_wk, stride_hp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False, BY_ELEMENT: tl.constexpr = False,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
     W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
@@ -181,7 +213,7 @@ def gate_up_kernel(
                 e = expert.to(tl.int64)
                 h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
                                     col_ok, hidden, stride_wk, stride_sn, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION)
+                                    BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION, BY_ELEMENT)
             else:
                 gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
@@ -201,7 +233,7 @@ def down_kernel(
     stride_hp, stride_we, stride_wk, stride_yp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False, BY_ELEMENT: tl.constexpr = False,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared.
     W4: w_ptr is the packed int32 [E, hidden, inter / 8], scale_ptr its scales (as gate_up_kernel)."""
@@ -220,7 +252,7 @@ def down_kernel(
                 e = expert.to(tl.int64)
                 acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,
                                       inter, stride_wk, stride_sn, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      GROUP, EVEN_K, DOT_F32, PRECISION)
+                                      GROUP, EVEN_K, DOT_F32, PRECISION, BY_ELEMENT)
             else:
                 w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 acc = matmul_tile(h_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, row_ok, col_ok, inter,

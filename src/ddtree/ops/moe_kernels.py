@@ -89,10 +89,12 @@ def _int4_weight(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, st
     """A [BLOCK_K, BLOCK_N] INT4 weight tile in DTYPE, unpacked by word or BY_ELEMENT (ops/moe.py's
     INT4_BY_ELEMENT: which is faster is measured by benchmarks/moe_paths.py, tiles ending in e)."""
     if BY_ELEMENT:
-        return _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                                     BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
-    return _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                      BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+        w = _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                                  BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+    else:
+        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                       BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+    return w
 
 
 @triton.jit

@@ -42,28 +42,6 @@ def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
 
 
 @triton.jit
-def _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE):
-    """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
-    (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE.
-    Each row's BLOCK_K / 8 words are adjacent in memory and read once, with one scale per word
-    (GROUP is a multiple of 8, so a word's 8 columns share their group). EVEN_K: depth is a multiple
-    of BLOCK_K, so no column is masked and the words load as 16-byte vectors."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
-    if EVEN_K:
-        mask = tl.broadcast_to(col_ok[:, None], (BLOCK_N, WORDS))
-    else:
-        mask = col_ok[:, None] & (word * 8 < depth)[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)  # [BLOCK_N, WORDS]
-    scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
-    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
-    w = (q.to(tl.float32) * scale.to(tl.float32)[:, :, None]).to(DTYPE)  # rounded to nearest, as torch rounds
-    return tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
-
-
-@triton.jit
 def _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                           DTYPE):
@@ -83,18 +61,32 @@ def _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stri
 
 
 @triton.jit
-def _int4_weight(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE,
-                 BY_ELEMENT: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] INT4 weight tile in DTYPE, unpacked by word or BY_ELEMENT (ops/moe.py's
-    INT4_BY_ELEMENT: which is faster is measured by benchmarks/moe_paths.py, tiles ending in e)."""
+def _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE,
+               BY_ELEMENT: tl.constexpr):
+    """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
+    (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE.
+    Each row's BLOCK_K / 8 words are adjacent in memory and read once, with one scale per word
+    (GROUP is a multiple of 8, so a word's 8 columns share their group). EVEN_K: depth is a multiple
+    of BLOCK_K, so no column is masked and the words load as 16-byte vectors. BY_ELEMENT (ops/moe.py's
+    INT4_BY_ELEMENT; benchmarks/moe_paths.py times both, tiles ending in e): _int4_tile_by_element."""
     if BY_ELEMENT:
-        w = _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                                  BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+        tile = _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                                     BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
     else:
-        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                       BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
-    return w
+        WORDS: tl.constexpr = BLOCK_K // 8
+        word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
+        if EVEN_K:
+            mask = tl.broadcast_to(col_ok[:, None], (BLOCK_N, WORDS))
+        else:
+            mask = col_ok[:, None] & (word * 8 < depth)[None, :]
+        rows = offs_n.to(tl.int64)[:, None]
+        words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)  # [BLOCK_N, WORDS]
+        scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
+        q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
+        w = (q.to(tl.float32) * scale.to(tl.float32)[:, :, None]).to(DTYPE)  # rounded to nearest, as torch rounds
+        tile = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
+    return tile
 
 
 @triton.jit
@@ -107,10 +99,10 @@ def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + offs_k < hidden)[None, :], other=0.0)
-        gate = _int4_weight(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+        gate = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
                             BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
         acc_gate = dot(a, gate, acc_gate, DOT_F32, PRECISION)
-        up = _int4_weight(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+        up = _int4_tile(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
                           BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
         acc_up = dot(a, up, acc_up, DOT_F32, PRECISION)
         x_ptrs += BLOCK_K
@@ -126,7 +118,7 @@ def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k < depth)[None, :], other=0.0)
-        w = _int4_weight(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
         acc = dot(a, w, acc, DOT_F32, PRECISION)
         a_ptrs += BLOCK_K

@@ -64,8 +64,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
 def all_reports() -> dict[str, dict]:
     """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
     alignment, and with INT4 experts in groups of 32, unpacked by word and by element; the INT4 row
-    kernels); the alignment at 64
-    tokens x 8 of 384 experts."""
+    kernels); the alignment at 64 tokens x 8 of 384 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
                  DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False, BY_ELEMENT=False)

@@ -1,5 +1,5 @@
 """Routed experts: the fused Triton MoE (ops/moe.py, several tile shapes) against the grouped-GEMM
-path (ops/moe.grouped_moe, torch._grouped_mm) it replaces below KernelPolicy.moe_fused_max_tokens,
+path (ops/moe_grouped.grouped_moe, torch._grouped_mm) it replaces below KernelPolicy.moe_fused_max_tokens,
 and against the floors.
 
     python benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 --tokens 1 2 4 8 16 32 64 65 128
@@ -40,7 +40,8 @@ from ddtree.models.checkpoint import init_random  # noqa: E402
 from ddtree.models.layers import MoE  # noqa: E402
 from ddtree.ops import KernelPolicy  # noqa: E402
 from ddtree.ops import moe  # noqa: E402
-from ddtree.ops.moe import Workspace, fused_moe, grouped_moe  # noqa: E402
+from ddtree.ops.moe import Workspace, fused_moe  # noqa: E402
+from ddtree.ops.moe_grouped import grouped_moe  # noqa: E402
 from ddtree.ops.moe_align import token_chunks  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"

@@ -10,7 +10,8 @@ import torch
 
 from ddtree.ops import moe
 from ddtree.ops.int4 import PackedInt4, dequantize_int4, pack_int4, quantize_int4, unpack_int4
-from ddtree.ops.moe import INT4_ROWS_MAX, INT4_TILES, SharedExperts, Workspace, block_m_for, fused_moe, grouped_moe
+from ddtree.ops.moe import INT4_ROWS_MAX, INT4_TILES, SharedExperts, Workspace, block_m_for, fused_moe
+from ddtree.ops.moe_grouped import grouped_moe
 
 from .test_moe import POISON_INT, TOL, Case, assert_close, make_inputs, make_shared, moe_reference
 

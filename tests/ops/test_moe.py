@@ -16,9 +16,9 @@ from ddtree.models import TargetConfig
 from ddtree.models import layers as moe_module
 from ddtree.models.layers import MoE
 from ddtree.ops import KERNELS, REFERENCE, KernelPolicy
-from ddtree.ops.moe import (BLOCK_K, BLOCK_N, NARROW_TILES, SharedExperts, Workspace, block_m_for, fused_moe, grouped_moe,
-                            tiles_for)
+from ddtree.ops.moe import BLOCK_K, BLOCK_N, NARROW_TILES, SharedExperts, Workspace, block_m_for, fused_moe, tiles_for
 from ddtree.ops.moe_align import NO_EXPERT, align_by_expert, max_blocks
+from ddtree.ops.moe_grouped import grouped_moe
 
 from ..conftest import CUDA_AND_INTERPRETED
 

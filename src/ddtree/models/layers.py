@@ -16,7 +16,8 @@ from torch import nn
 from ..ops.gemm import linear as few_row_linear
 from ..ops.int4 import VALUES_PER_WORD, PackedInt4
 from ..ops.launch import DTYPES as KERNEL_DTYPES
-from ..ops.moe import SharedExperts, fused_moe, grouped_moe
+from ..ops.moe import SharedExperts, fused_moe
+from ..ops.moe_grouped import grouped_moe
 from ..ops.moe_align import token_chunks
 from ..ops.norm import rms_norm, rms_norm_reference
 from ..ops.policy import KernelPolicy
@@ -240,7 +241,7 @@ class MoE(nn.Module):
     `w_down_packed` [E, hidden, inter / 8] with `w_down_scale`: ops/int4.py). Two paths, the
     policy's choice (moe_fused):
 
-    - grouped: ops/moe.grouped_moe, pairs sorted by expert for two grouped GEMMs: the reference,
+    - grouped: ops/moe_grouped.grouped_moe, pairs sorted by expert for two grouped GEMMs: the reference,
       the path for many 16-bit rows (large batches of trees, long prefill chunks) and for autograd.
     - fused: ops/moe.fused_moe, which reads each touched expert's weights once per block of its
       rows, and the shared experts' in the same launches; INT4 experts take it for any number of

@@ -10,8 +10,8 @@ expert's weights read once per block of its rows, only for the experts the token
 
 Up to `direct_max_tokens` tokens (a decode step: KernelPolicy.moe_direct_max_tokens) the launch
 skips the alignment: one routed program per choice, its expert read from ids, since a token's
-choices are distinct experts. `grouped_moe` is the reference: the same sum through two grouped
-GEMMs (torch._grouped_mm), also the path for many rows and for autograd.
+choices are distinct experts. `moe_grouped.grouped_moe` is the reference: the same sum through two
+grouped GEMMs (torch._grouped_mm), also the path for many rows and for autograd.
 
 The shared experts (DeepSeek-V3's n_shared_experts, one MLP of S x the routed width) ride in the
 same launches as S more experts that every token takes with weight 1, read in place from the
@@ -27,15 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .int4 import PackedInt4, dequantize_int4
+from .int4 import PackedInt4
 from .launch import DTYPES, dot_flags, launch_flags, require_kernel_device
 from .moe_int4_rows import down_rows_kernel, gate_up_rows_kernel
 from .moe_kernels import down_kernel, gate_up_kernel, sum_choices_kernel
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
+from .moe_grouped import expert_shape
 
 # Tiles from a sweep (benchmarks/moe_paths.py, results/moe_paths-nvidia-h200.md): the wide tile
 # wherever the gate_up launch has about a program per SM, the narrow one below (tiles_for).
@@ -127,13 +127,6 @@ class SharedExperts:
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"shared.{name} must be {list(shape)}, got {list(getattr(self, name).shape)}")
         return width // inter
-
-
-def expert_shape(w_gate_up: torch.Tensor | PackedInt4) -> tuple[int, int, int]:
-    """(E, hidden, inter) of the routed experts, 16-bit [E, hidden, 2 * inter] or INT4 [E, 2 * inter, hidden]."""
-    if isinstance(w_gate_up, PackedInt4):
-        return w_gate_up.packed.shape[0], w_gate_up.in_features, w_gate_up.out_features // 2
-    return w_gate_up.shape[0], w_gate_up.shape[1], w_gate_up.shape[2] // 2
 
 
 def _check_int4(x, w_gate_up: PackedInt4, w_down, weights, ids) -> tuple[int, int]:
@@ -350,41 +343,3 @@ def _launch_rows(x, w_gate_up: PackedInt4, w_down: PackedInt4, weights, blocks, 
         ws.gu.stride(0), down.packed.stride(0), down.packed.stride(1), ws.y.stride(0), down.scale.stride(0),
         down.scale.stride(1), EVEN_K=inter % block_k == 0, DTYPE=TL_DTYPES[x.dtype], **flags,
     )
-
-
-def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor | PackedInt4, w_down: torch.Tensor | PackedInt4,
-                weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' sum through two grouped GEMMs: fused_moe's reference (without shared
-    experts), and the path for many rows and for autograd. Tensors as fused_moe's (x [T, hidden];
-    any device torch._grouped_mm runs on). Pairs are sorted by expert (no per-token or per-expert
-    Python loop, no host sync: expert offsets stay on the device); the k choices are summed in
-    float32 in choice order, deterministic unlike an atomic index_add_. A pair whose id is outside
-    [0, E) (another rank's expert) adds nothing, as in fused_moe. INT4 experts: the experts the
-    tokens chose are dequantized first (int4.dequantize_int4), which reads the ids back."""
-    dropped = (ids < 0) | (ids >= expert_shape(w_gate_up)[0])  # another rank's experts (expert parallel)
-    ids = ids.masked_fill(dropped, 0)
-    if isinstance(w_gate_up, PackedInt4):
-        w_gate_up, w_down, ids = _dequantized_experts(x.dtype, w_gate_up, w_down, ids)
-    k = ids.shape[1]
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    token = order // k
-    counts = torch.zeros(w_down.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(x[token], w_gate_up, offs=offsets).chunk(2, dim=-1)
-    routed = torch._grouped_mm(F.silu(gate) * up, w_down, offs=offsets)
-    per_choice = torch.empty_like(routed)
-    per_choice[order] = routed
-    per_choice = per_choice.view(-1, k, routed.shape[-1]).float() * weights[..., None]
-    return torch.where(dropped[..., None], 0.0, per_choice).sum(1).to(x.dtype)
-
-
-def _dequantized_experts(dtype: torch.dtype, w_gate_up: PackedInt4, w_down: PackedInt4, ids: torch.Tensor):
-    """(w_gate_up [U, hidden, 2 * inter], w_down [U, inter, hidden] in dtype, ids renumbered) for the U
-    experts in ids, in grouped_moe's layout."""
-    used, local = ids.unique(return_inverse=True)
-    pick = lambda w: PackedInt4(w.packed[used], w.scale[used], w.group_size)  # noqa: E731
-    gate_up = dequantize_int4(pick(w_gate_up), dtype).transpose(1, 2).contiguous()
-    down = dequantize_int4(pick(w_down), dtype).transpose(1, 2).contiguous()
-    return gate_up, down, local.view_as(ids)

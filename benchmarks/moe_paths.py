@@ -67,7 +67,8 @@ def tile_name(tile) -> str:
     if tile is None:
         return "auto"
     m, n, k, warps, stages, by_element = tile
-    return f"{m}x{n}x{k}" + (f"w{warps}" if warps else "") + (f"s{stages}" if stages else "") + ("e" if by_element else "")
+    suffix = (f"w{warps}" if warps else "") + (f"s{stages}" if stages else "") + ("e" if by_element else "")
+    return f"{m}x{n}x{k}{suffix}"
 
 
 @contextlib.contextmanager
@@ -119,7 +120,8 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
         check = min(t, 4) if int4 else t
         want = grouped_moe(x[:check], *experts, weights[:check], ids[:check]).float()
         for tile in tiles:
-            m, n, k, warps, stages, by_element = tile or (None,) * 5 + (False,)  # auto: fused_moe's own choice (block_m_for, tiles_for)
+            # auto: fused_moe's own choice (block_m_for, tiles_for)
+            m, n, k, warps, stages, by_element = tile or (None,) * 5 + (False,)
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
             spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m, int4=int4)
                       for p in parts]

@@ -187,7 +187,8 @@ def gate_up_kernel(
     stride_xt, stride_we, stride_wk, stride_hp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False, BY_ELEMENT: tl.constexpr = False,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
+    BY_ELEMENT: tl.constexpr = False,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
     W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
@@ -227,7 +228,8 @@ def down_kernel(
     stride_hp, stride_we, stride_wk, stride_yp, stride_shared, stride_se, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
-    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False, BY_ELEMENT: tl.constexpr = False,
+    W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
+    BY_ELEMENT: tl.constexpr = False,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared.
     W4: w_ptr is the packed int32 [E, hidden, inter / 8], scale_ptr its scales (as gate_up_kernel)."""

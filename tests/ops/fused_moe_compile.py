@@ -63,11 +63,11 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
 
 def all_reports() -> dict[str, dict]:
     """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
-    alignment, and with INT4 experts in groups of 32, unpacked by word and by element; the INT4 row
+    alignment, and with INT4 experts in groups of 32, unpacked by word, by element and in pairs; the INT4 row
     kernels); the alignment at 64 tokens x 8 of 384 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
-                 DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False, BY_ELEMENT=False)
+                 DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False, UNPACK="word")
     index = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32")
     gemm = dict(num_warps=fused_moe.NUM_WARPS, num_stages=fused_moe.NUM_STAGES)
     gate_up_pointers = dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, shared_gate_ptr=dtype, shared_up_ptr=dtype,
@@ -93,10 +93,10 @@ def all_reports() -> dict[str, dict]:
         "gate_up_int4": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), int4,
                                        **gemm),
         "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
-        "gate_up_int4_by_element": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"),
-                                                  dict(int4, BY_ELEMENT=True), **gemm),
-        "down_int4_by_element": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"),
-                                               dict(int4, BY_ELEMENT=True), **gemm),
+        **{f"{name}_int4_{unpack}": compile_report(kernel, dict(pointers, w_ptr="*i32"), dict(int4, UNPACK=unpack), **gemm)
+           for unpack in ("element", "pairs")
+           for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
+                                          ("down", fused_moe_kernels.down_kernel, down_pointers))},
         # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two
         "gate_up_rows": compile_report(moe_int4_rows.gate_up_rows_kernel,
                                        dict(x_ptr=dtype, w_ptr="*i32", gu_ptr="*fp32", scale_ptr=dtype, **index_i64),

@@ -23,12 +23,12 @@ def test_no_kernel_spills(reports):
 
 def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
     for name in ("gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
-                 "gate_up_int4_by_element", "down_int4_by_element"):
+                 "gate_up_int4_element", "down_int4_element", "gate_up_int4_pairs", "down_int4_pairs"):
         report = reports[name]
         assert report["mma"] > 0, (name, report)
         assert report["shared"] <= 232448, (name, report)  # the sm_90 opt-in limit per block (227 KB)
         assert report["async_copies"] > 0, (name, report)  # loads of the next K step overlap the MMAs
-        if name.endswith("int4"):  # each row's packed words read as 16-byte vectors
+        if name.endswith(("int4", "pairs")):  # each row's packed words read as 16-byte vectors
             assert report["word_vector_copies"] > 0, (name, report)
 
 
@@ -48,6 +48,7 @@ def test_every_kernel_waits_for_its_producer_first(reports):
     """Launched with programmatic dependent launch on the H200 (ops/launch.py): each kernel's PTX has
     the grid-dependency wait that keeps it from reading its inputs before the previous kernel ends."""
     assert set(reports) == {"align", "gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
-                            "gate_up_int4_by_element", "down_int4_by_element", "gate_up_rows", "down_rows", "sum"}
+                            "gate_up_int4_element", "down_int4_element", "gate_up_int4_pairs", "down_int4_pairs",
+                            "gate_up_rows", "down_rows", "sum"}
     for name, report in reports.items():
         assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)

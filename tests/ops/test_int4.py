@@ -10,6 +10,7 @@ import torch
 
 from ddtree.ops import moe
 from ddtree.ops.int4 import PackedInt4, dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from ddtree.ops.launch import compiled_for_sm90
 from ddtree.ops.moe import INT4_ROWS_MAX, INT4_TILES, SharedExperts, Workspace, block_m_for, fused_moe
 from ddtree.ops.moe_grouped import grouped_moe
 
@@ -101,22 +102,30 @@ def test_int4_experts_equal_their_dequantized_twin(case, dtype, num_shared, kern
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["masked-k", "even-k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_int4_tiles_unpacked_by_element_equal_those_unpacked_by_word(case, dtype, kernel_device, monkeypatch):
+@pytest.mark.parametrize("unpack", ["element", "pairs"])
+@pytest.mark.parametrize("block_m", [16, 64])  # on sm_90: mma.sync and wgmma operands
+def test_int4_tiles_unpacked_every_way_equal_those_unpacked_by_word(case, dtype, unpack, block_m, kernel_device,
+                                                                    monkeypatch):
+    """On the GPU "pairs" is inline PTX; under the interpreter its plain twin ("pairs_plain"), which
+    checks the tile's layout (transposed loads, joins, permute); float32 activations take "word"."""
     x, gate_up, down, weights, ids = int4_experts(case, dtype, kernel_device)
     shared = make_shared(case, 1, dtype, kernel_device)
     runs = []
-    for by_element in (False, True):
-        monkeypatch.setattr(moe, "INT4_BY_ELEMENT", by_element)
+    for mode in ("word", unpack):
+        monkeypatch.setattr(moe, "INT4_UNPACK", mode)
         ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
-                             block_m=16, num_shared=1)
+                             block_m=block_m, num_shared=1)
         for buf in (ws.h, ws.y):
             buf.fill_(float("nan"))
-        runs.append(fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=16))
+        runs.append(fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m))
+    ran = moe.int4_unpack(x, gate_up)
+    pairs = "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
+    assert ran == {"element": "element", "pairs": pairs if dtype == torch.bfloat16 else "word"}[unpack]
     assert not runs[1].isnan().any()
     if kernel_device != "cuda":  # NumPy's matmul may sum the word unpacking's transposed tile in another order
         torch.testing.assert_close(runs[1], runs[0])
     else:
-        assert torch.equal(runs[0], runs[1]), "both unpackings give the same 16-bit weights, multiplied the same way"
+        assert torch.equal(runs[0], runs[1]), "every unpacking gives the same 16-bit weights, multiplied the same way"
 
 
 # (case, block_m, block_n, block_k): one token (direct mode) and aligned blocks of 1, 2 and 4 pairs;

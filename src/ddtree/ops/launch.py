@@ -46,15 +46,20 @@ def multiprocessors(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_capable(device: torch.device) -> bool:
+def _sm90_or_later(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def compiled_for_sm90(device: torch.device) -> bool:
+    """Whether kernels launched on `device` are compiled for a GPU of compute capability 9.0 or
+    more (not interpreted): what programmatic dependent launch and sm_90 PTX need."""
+    return device.type == "cuda" and not knobs.runtime.interpret and _sm90_or_later(device)
 
 
 def launch_flags(device: torch.device, pdl: bool = True) -> dict:
     """Keyword arguments for a kernel launch on `device`: the kernel's PDL constexpr and Triton's
-    launch_pdl option, both True when `pdl` is asked for on a CUDA device of compute capability
-    9.0 or more (never under the interpreter)."""
-    on = pdl and device.type == "cuda" and not knobs.runtime.interpret and _pdl_capable(device)
+    launch_pdl option, both True when `pdl` is asked for and compiled_for_sm90(device)."""
+    on = pdl and compiled_for_sm90(device)
     return dict(PDL=on, launch_pdl=on)
 
 

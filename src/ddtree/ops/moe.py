@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .int4 import PackedInt4
-from .launch import DTYPES, dot_flags, launch_flags, require_kernel_device
+from .launch import DTYPES, compiled_for_sm90, dot_flags, launch_flags, require_kernel_device
 from .moe_int4_rows import down_rows_kernel, gate_up_rows_kernel
 from .moe_kernels import down_kernel, gate_up_kernel, sum_choices_kernel
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
@@ -58,9 +58,9 @@ INT4_ROWS_TILES = (16, 256)
 INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
-# INT4 tiles on the tl.dot path unpacked word by word ([N, K / 8] loads) or element by element
-# (moe_kernels._int4_tile_by_element, [K, N] loads): benchmarks/moe_paths.py times both.
-INT4_BY_ELEMENT = False
+# How the tl.dot path unpacks INT4 tiles: "word", "element" or "pairs" (int4_tiles.py; "pairs" where
+# x and the scales are bf16, else "word"); benchmarks/moe_paths.py times them.
+INT4_UNPACK = "word"
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
 SHARED_M = 16  # tokens per shared-expert program beside the INT4 row kernels (tl.dot's minimum)
@@ -307,8 +307,8 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
     block_expert = ws.block_expert if block_expert is None else block_expert
     flags = dict(**dot_flags(x.dtype), DIRECT=direct, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
-                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, BY_ELEMENT=int4 and INT4_BY_ELEMENT,
-                 **launch_flags(x.device, pdl))
+                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0,
+                 UNPACK=int4_unpack(x, w_gate_up) if int4 else "word", **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
@@ -322,6 +322,16 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
         ws.h.stride(0), down_w[2], down_w[3], ws.y.stride(0), down.stride(0), down_w[4], down_w[5],
         **tiles, **flags,
     )
+
+
+def int4_unpack(x: torch.Tensor, w: PackedInt4) -> str:
+    """INT4_UNPACK where it can run: "pairs" needs bf16 activations and scales ("word" otherwise),
+    and its inline PTX sm_90 ("pairs_plain", the same tile in plain Triton, otherwise)."""
+    if INT4_UNPACK != "pairs":
+        return INT4_UNPACK
+    if not x.dtype == w.scale.dtype == torch.bfloat16:
+        return "word"
+    return "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
 
 
 def _launch_rows(x, w_gate_up: PackedInt4, w_down: PackedInt4, weights, blocks, block_expert, ws: Workspace,

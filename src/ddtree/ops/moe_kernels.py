@@ -9,7 +9,7 @@ weights in place, [out, in] with `in` contiguous, where the routed experts' are 
 
 W4: the routed experts' weights are INT4 in compressed-tensors' layout instead (ops/int4.py):
 packed int32 [E, out, in / 8] and a scale [E, out, in / GROUP] per weight. A tile is unpacked and
-dequantized in registers (q * scale in float32, rounded to the activations' dtype as
+dequantized in registers (int4_tiles.py: q * scale rounded once to the activations' dtype, as
 int4.dequantize_int4 rounds) and multiplied like a 16-bit one: the same sums, in the same order.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .int4_tiles import int4_tile
 from .launch import dot, matmul_tile, wait_for_producers
 
 
@@ -42,68 +43,20 @@ def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
 
 
 @triton.jit
-def _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                          DTYPE):
-    """_int4_tile loaded straight in [BLOCK_K, BLOCK_N]: each element reads its own word and scale
-    (the 8 elements of a word share them through the cache) and shifts its value out, so no
-    reshape or transpose stands between the load and tl.dot; the same values, rounded the same way."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        mask = tl.broadcast_to(col_ok[None, :], (BLOCK_K, BLOCK_N))
-    else:
-        mask = (k < depth)[:, None] & col_ok[None, :]
-    rows = offs_n.to(tl.int64)[None, :]
-    words = tl.load(packed_ptr + rows * stride_pn + (k // 8)[:, None], mask=mask, other=0)
-    scale = tl.load(scale_ptr + rows * stride_sn + (k // GROUP)[:, None], mask=mask, other=0.0)
-    q = ((words >> ((k % 8) * 4)[:, None]) & 0xF) - 8
-    return (q.to(tl.float32) * scale.to(tl.float32)).to(DTYPE)
-
-
-@triton.jit
-def _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE,
-               BY_ELEMENT: tl.constexpr):
-    """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
-    (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE.
-    Each row's BLOCK_K / 8 words are adjacent in memory and read once, with one scale per word
-    (GROUP is a multiple of 8, so a word's 8 columns share their group). EVEN_K: depth is a multiple
-    of BLOCK_K, so no column is masked and the words load as 16-byte vectors. BY_ELEMENT (ops/moe.py's
-    INT4_BY_ELEMENT; benchmarks/moe_paths.py times both, tiles ending in e): _int4_tile_by_element."""
-    if BY_ELEMENT:
-        tile = _int4_tile_by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                                     BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
-    else:
-        WORDS: tl.constexpr = BLOCK_K // 8
-        word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
-        if EVEN_K:
-            mask = tl.broadcast_to(col_ok[:, None], (BLOCK_N, WORDS))
-        else:
-            mask = col_ok[:, None] & (word * 8 < depth)[None, :]
-        rows = offs_n.to(tl.int64)[:, None]
-        words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)  # [BLOCK_N, WORDS]
-        scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
-        q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
-        w = (q.to(tl.float32) * scale.to(tl.float32)[:, :, None]).to(DTYPE)  # rounded to nearest, as torch rounds
-        tile = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
-    return tile
-
-
-@triton.jit
 def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BY_ELEMENT: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, UNPACK: tl.constexpr):
     """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + offs_k < hidden)[None, :], other=0.0)
-        gate = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
-                            BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
+        gate = int4_tile(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK)
         acc_gate = dot(a, gate, acc_gate, DOT_F32, PRECISION)
-        up = _int4_tile(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
-                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
+        up = int4_tile(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
+                        BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK)
         acc_up = dot(a, up, acc_up, DOT_F32, PRECISION)
         x_ptrs += BLOCK_K
     return acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -112,14 +65,14 @@ def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok
 @triton.jit
 def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BY_ELEMENT: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, UNPACK: tl.constexpr):
     """launch.matmul_tile with an INT4 expert weight [out, depth]; dtype: a's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k < depth)[None, :], other=0.0)
-        w = _int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                         BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, BY_ELEMENT)
+        w = int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                       BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK)
         acc = dot(a, w, acc, DOT_F32, PRECISION)
         a_ptrs += BLOCK_K
     return acc
@@ -188,7 +141,7 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
     W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
-    BY_ELEMENT: tl.constexpr = False,
+    UNPACK: tl.constexpr = "word",
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
     W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
@@ -208,7 +161,7 @@ def gate_up_kernel(
                 e = expert.to(tl.int64)
                 h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
                                     col_ok, hidden, stride_wk, stride_sn, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION, BY_ELEMENT)
+                                    BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION, UNPACK)
             else:
                 gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
@@ -229,7 +182,7 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
     W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
-    BY_ELEMENT: tl.constexpr = False,
+    UNPACK: tl.constexpr = "word",
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared.
     W4: w_ptr is the packed int32 [E, hidden, inter / 8], scale_ptr its scales (as gate_up_kernel)."""
@@ -248,7 +201,7 @@ def down_kernel(
                 e = expert.to(tl.int64)
                 acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,
                                       inter, stride_wk, stride_sn, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      GROUP, EVEN_K, DOT_F32, PRECISION, BY_ELEMENT)
+                                      GROUP, EVEN_K, DOT_F32, PRECISION, UNPACK)
             else:
                 w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 acc = matmul_tile(h_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, row_ok, col_ok, inter,

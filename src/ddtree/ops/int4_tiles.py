@@ -1,0 +1,123 @@
+"""INT4 weight tiles for tl.dot (moe_kernels.py's W4 path): one expert's packed words and group
+scales (compressed-tensors' layout, ops/int4.py) turned into a [BLOCK_K, BLOCK_N] tile of the
+activations' dtype, q * scale rounded once, as int4.dequantize_int4 rounds. At hundreds of rows per
+expert the unpacking, not the tensor cores, bounds the kernel, so there are three ways to do it
+(UNPACK, ops/moe.py's INT4_UNPACK; benchmarks/moe_paths.py times them):
+
+    word     each row's BLOCK_K / 8 words read once (16-byte vectors), every value shifted out,
+             converted to float32, scaled and rounded
+    element  the tile loaded straight in [BLOCK_K, BLOCK_N], each element reading its own word and
+             scale (shared through the cache): no reshape or transpose before tl.dot
+    pairs    bf16 only, on sm_90 (inline PTX): two values at a time, each made a bf16 128 + v by
+             one lop3 (the bits under bf16's exponent of 2^7), then one bf16x2 subtraction of 136
+             (exact: q = v - 8) and one bf16x2 product with the scale (exact, rounded once to
+             nearest): the same bits as the float32 product rounded to bf16. "pairs_plain" is the
+             same tile with the values computed in plain Triton (the interpreter, older GPUs)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Word w's values i and i + 4 (bits 4i and 4i + 16) into one register as two bf16, for i = 0 .. 3:
+# lop3 (a & b) | c, table 0xEA; the eight results in order e0 .. e7.
+PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 w1, w2, w3, p0, p1, p2, p3, s2, bias;
+mov.b32 s2, {$9, $9};
+mov.b32 bias, 0x43084308;
+lop3.b32 p0, $8, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 w1, $8, 4;
+lop3.b32 p1, w1, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 w2, $8, 8;
+lop3.b32 p2, w2, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 w3, $8, 12;
+lop3.b32 p3, w3, 0x000F000F, 0x43004300, 0xEA;
+sub.rn.bf16x2 p0, p0, bias;
+sub.rn.bf16x2 p1, p1, bias;
+sub.rn.bf16x2 p2, p2, bias;
+sub.rn.bf16x2 p3, p3, bias;
+mul.rn.bf16x2 p0, p0, s2;
+mul.rn.bf16x2 p1, p1, s2;
+mul.rn.bf16x2 p2, p2, s2;
+mul.rn.bf16x2 p3, p3, s2;
+mov.b32 {$0, $4}, p0;
+mov.b32 {$1, $5}, p1;
+mov.b32 {$2, $6}, p2;
+mov.b32 {$3, $7}, p3;
+}
+""")
+
+
+@triton.jit
+def _value(words, scale, i: tl.constexpr):
+    """Value i of each word times its scale, rounded once to bf16 (the plain twin of PAIRS_ASM)."""
+    return ((((words >> (4 * i)) & 0xF) - 8).to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _pairs(words, scale, PTX: tl.constexpr):
+    """words int32 [W, N], scale bf16 [W, N] -> bf16 [W, N, 2, 2, 2], value 4a + 2b + c of each word
+    at [.., a, b, c]; PTX: through PAIRS_ASM, else plain Triton (the interpreter, GPUs before sm_90)."""
+    if PTX:
+        e = tl.inline_asm_elementwise(PAIRS_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, scale],
+                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        e0, e1, e2, e3, e4, e5, e6, e7 = e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]
+    else:
+        e0, e1, e2, e3 = _value(words, scale, 0), _value(words, scale, 1), _value(words, scale, 2), \
+            _value(words, scale, 3)
+        e4, e5, e6, e7 = _value(words, scale, 4), _value(words, scale, 5), _value(words, scale, 6), \
+            _value(words, scale, 7)
+    return tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+
+
+@triton.jit
+def _by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE):
+    k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        mask = tl.broadcast_to(col_ok[None, :], (BLOCK_K, BLOCK_N))
+    else:
+        mask = (k < depth)[:, None] & col_ok[None, :]
+    rows = offs_n.to(tl.int64)[None, :]
+    words = tl.load(packed_ptr + rows * stride_pn + (k // 8)[:, None], mask=mask, other=0)
+    scale = tl.load(scale_ptr + rows * stride_sn + (k // GROUP)[:, None], mask=mask, other=0.0)
+    q = ((words >> ((k % 8) * 4)[:, None]) & 0xF) - 8
+    return (q.to(tl.float32) * scale.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE,
+              UNPACK: tl.constexpr):
+    """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
+    (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE,
+    unpacked as UNPACK says ("word", "element" or "pairs": the module's docstring). GROUP is a
+    multiple of 8, so a word's 8 columns share their scale. EVEN_K: depth is a multiple of BLOCK_K,
+    so no column is masked and the words load as 16-byte vectors."""
+    if UNPACK == "element":
+        tile = _by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
+                           BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+    else:
+        WORDS: tl.constexpr = BLOCK_K // 8
+        word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
+        if EVEN_K:
+            mask = tl.broadcast_to(col_ok[:, None], (BLOCK_N, WORDS))
+        else:
+            mask = col_ok[:, None] & (word * 8 < depth)[None, :]
+        rows = offs_n.to(tl.int64)[:, None]
+        if UNPACK == "pairs" or UNPACK == "pairs_plain":  # loaded [WORDS, BLOCK_N]: joined in the tile's order
+            t_mask = tl.trans(mask)
+            t_words = tl.load(packed_ptr + tl.trans(rows) * stride_pn + word[:, None], mask=t_mask, other=0)
+            t_scale = tl.load(scale_ptr + tl.trans(rows) * stride_sn + (word * 8 // GROUP)[:, None], mask=t_mask,
+                              other=0.0)
+            values = _pairs(t_words, t_scale, UNPACK == "pairs")  # [WORDS, BLOCK_N, 2, 2, 2]
+            tile = tl.reshape(tl.permute(values, (0, 2, 3, 4, 1)), (BLOCK_K, BLOCK_N))
+        else:
+            words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)  # [BLOCK_N, WORDS]
+            scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
+            q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
+            w = (q.to(tl.float32) * scale.to(tl.float32)[:, :, None]).to(DTYPE)  # rounded to nearest, as torch
+            tile = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
+    return tile

@@ -93,7 +93,8 @@ def all_reports() -> dict[str, dict]:
         "gate_up_int4": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), int4,
                                        **gemm),
         "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
-        **{f"{name}_int4_{unpack}": compile_report(kernel, dict(pointers, w_ptr="*i32"), dict(int4, UNPACK=unpack), **gemm)
+        **{f"{name}_int4_{unpack}": compile_report(kernel, dict(pointers, w_ptr="*i32"), dict(int4, UNPACK=unpack),
+                                                   **gemm)
            for unpack in ("element", "pairs")
            for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
                                           ("down", fused_moe_kernels.down_kernel, down_pointers))},

@@ -118,7 +118,7 @@ def test_int4_tiles_unpacked_every_way_equal_those_unpacked_by_word(case, dtype,
         for buf in (ws.h, ws.y):
             buf.fill_(float("nan"))
         runs.append(fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m))
-    ran = moe.int4_unpack(x, gate_up)
+    ran = moe.int4_unpack(x, gate_up, down)
     pairs = "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
     assert ran == {"element": "element", "pairs": pairs if dtype == torch.bfloat16 else "word"}[unpack]
     assert not runs[1].isnan().any()
@@ -126,6 +126,13 @@ def test_int4_tiles_unpacked_every_way_equal_those_unpacked_by_word(case, dtype,
         torch.testing.assert_close(runs[1], runs[0])
     else:
         assert torch.equal(runs[0], runs[1]), "every unpacking gives the same 16-bit weights, multiplied the same way"
+
+
+def test_an_unknown_int4_unpacking_is_refused(kernel_device, monkeypatch):
+    x, gate_up, down, weights, ids = int4_experts(CASES[1], torch.bfloat16, kernel_device)
+    monkeypatch.setattr(moe, "INT4_UNPACK", "pair")
+    with pytest.raises(ValueError, match="INT4_UNPACK must be 'word', 'element' or 'pairs', got 'pair'"):
+        fused_moe(x, gate_up, down, weights, ids, block_m=16)
 
 
 # (case, block_m, block_n, block_k): one token (direct mode) and aligned blocks of 1, 2 and 4 pairs;

@@ -10,9 +10,10 @@ expert the unpacking, not the tensor cores, bounds the kernel, so there are thre
              scale (shared through the cache): no reshape or transpose before tl.dot
     pairs    bf16 only, on sm_90 (inline PTX): two values at a time, each made a bf16 128 + v by
              one lop3 (the bits under bf16's exponent of 2^7), then one bf16x2 subtraction of 136
-             (exact: q = v - 8) and one bf16x2 product with the scale (exact, rounded once to
-             nearest): the same bits as the float32 product rounded to bf16. "pairs_plain" is the
-             same tile with the values computed in plain Triton (the interpreter, older GPUs)
+             (exact: q = v - 8) and one bf16x2 product with the scale (q * scale has at most 12
+             significant bits, so the product is rounded once, to nearest): the same bits as the
+             float32 product rounded to bf16. "pairs_plain" is the same tile with the values
+             computed in plain Triton (the interpreter, GPUs before sm_90)
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, strid
               UNPACK: tl.constexpr):
     """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
     (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE,
-    unpacked as UNPACK says ("word", "element" or "pairs": the module's docstring). GROUP is a
-    multiple of 8, so a word's 8 columns share their scale. EVEN_K: depth is a multiple of BLOCK_K,
-    so no column is masked and the words load as 16-byte vectors."""
+    unpacked as UNPACK says ("word", "element", "pairs" or "pairs_plain": the module's docstring).
+    GROUP is a multiple of 8, so a word's 8 columns share their scale. EVEN_K: depth is a multiple of
+    BLOCK_K, so no column is masked (and "word" and "pairs" load the words as 16-byte vectors)."""
     if UNPACK == "element":
         tile = _by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
                            BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)

@@ -58,8 +58,8 @@ INT4_ROWS_TILES = (16, 256)
 INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
-# How the tl.dot path unpacks INT4 tiles: "word", "element" or "pairs" (int4_tiles.py; "pairs" where
-# x and the scales are bf16, else "word"); benchmarks/moe_paths.py times them.
+# How the tl.dot path unpacks INT4 tiles: "word", "element" or "pairs" (int4_tiles.py; int4_unpack
+# says what runs); benchmarks/moe_paths.py times them.
 INT4_UNPACK = "word"
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
@@ -308,7 +308,7 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
     block_expert = ws.block_expert if block_expert is None else block_expert
     flags = dict(**dot_flags(x.dtype), DIRECT=direct, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
                  EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0,
-                 UNPACK=int4_unpack(x, w_gate_up) if int4 else "word", **launch_flags(x.device, pdl))
+                 UNPACK=int4_unpack(x, w_gate_up, w_down) if int4 else "word", **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
@@ -324,12 +324,14 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
     )
 
 
-def int4_unpack(x: torch.Tensor, w: PackedInt4) -> str:
+def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> str:
     """INT4_UNPACK where it can run: "pairs" needs bf16 activations and scales ("word" otherwise),
     and its inline PTX sm_90 ("pairs_plain", the same tile in plain Triton, otherwise)."""
+    if INT4_UNPACK not in ("word", "element", "pairs"):
+        raise ValueError(f"INT4_UNPACK must be 'word', 'element' or 'pairs', got {INT4_UNPACK!r}")
     if INT4_UNPACK != "pairs":
         return INT4_UNPACK
-    if not x.dtype == w.scale.dtype == torch.bfloat16:
+    if not x.dtype == w_gate_up.scale.dtype == w_down.scale.dtype == torch.bfloat16:
         return "word"
     return "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
 

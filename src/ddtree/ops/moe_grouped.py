@@ -16,7 +16,6 @@ def expert_shape(w_gate_up: torch.Tensor | PackedInt4) -> tuple[int, int, int]:
     return w_gate_up.shape[0], w_gate_up.shape[1], w_gate_up.shape[2] // 2
 
 
-
 def grouped_moe(x: torch.Tensor, w_gate_up: torch.Tensor | PackedInt4, w_down: torch.Tensor | PackedInt4,
                 weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The routed experts' sum through two grouped GEMMs: fused_moe's reference (without shared

@@ -8,8 +8,8 @@ and against the floors.
         # INT4 tiles: BLOCK_M below 16 is the row kernels' (ops/moe_int4_rows.py)
     python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 2080 --tiles auto,64x128x64w8,64x128x64w8s2
         # a tile's w / s suffix: the launches' warps and pipeline stages (ops/moe.py's NUM_WARPS and
-        # NUM_STAGES, INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); a last e or p:
-        # its INT4 tiles unpacked by element or in pairs (INT4_UNPACK, ops/int4_tiles.py)
+        # NUM_STAGES, INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word,
+        # :element or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
@@ -49,28 +49,27 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
 
 
-TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?([ep]?)")
-UNPACKS = {"": None, "e": "element", "p": "pairs"}  # a tile's last letter: how its INT4 tiles unpack
+TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|element|pairs))?")
 
 
 def parse_tile(text: str):
     """None for "auto", else (M, N, K, warps or None, stages or None, INT4 unpacking or None) from
-    "MxNxK[wW][sS][e|p]" (e: "element", p: "pairs"; ops/moe.py's INT4_UNPACK, ops/int4_tiles.py)."""
+    "MxNxK[wW][sS][:word|:element|:pairs]" (ops/moe.py's INT4_UNPACK, ops/int4_tiles.py)."""
     if text == "auto":
         return None
     match = TILE.fullmatch(text)
     if match is None:
-        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][e|p] (e.g. 64x128x64w8s2p)")
+        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:element|:pairs] "
+                         "(e.g. 64x128x64w8s2:pairs)")
     *numbers, unpack = match.groups()
-    return (*(int(v) if v else None for v in numbers), UNPACKS[unpack])
+    return (*(int(v) if v else None for v in numbers), unpack)
 
 
 def tile_name(tile) -> str:
     if tile is None:
         return "auto"
     m, n, k, warps, stages, unpack = tile
-    letter = {v: key for key, v in UNPACKS.items()}[unpack]
-    suffix = (f"w{warps}" if warps else "") + (f"s{stages}" if stages else "") + letter
+    suffix = (f"w{warps}" if warps else "") + (f"s{stages}" if stages else "") + (f":{unpack}" if unpack else "")
     return f"{m}x{n}x{k}{suffix}"
 
 
@@ -126,14 +125,16 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
             # auto: fused_moe's own choice (block_m_for, tiles_for)
             m, n, k, warps, stages, unpack = tile or (None,) * 6
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
-            spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m, int4=int4)
-                      for p in parts]
-
-            def run(m=m, n=n, k=k, parts=parts, spaces=spaces):
-                for p, ws in zip(parts, spaces):
-                    fused_moe(x[p], *experts, weights[p], ids[p], out=out[p], workspace=ws, block_m=m, block_n=n,
-                              block_k=k)
             with launch_settings(warps, stages, unpack):
+                rows = int4 and moe.int4_row_kernels(x, *experts)  # as fused_moe decides under these settings
+                spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m,
+                                          row_kernels=rows) for p in parts]
+
+                def run(m=m, n=n, k=k, parts=parts, spaces=spaces):
+                    for p, ws in zip(parts, spaces):
+                        fused_moe(x[p], *experts, weights[p], ids[p], out=out[p], workspace=ws, block_m=m,
+                                  block_n=n, block_k=k)
+
                 out.fill_(float("nan"))
                 run()
                 err = (out[:check].float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)

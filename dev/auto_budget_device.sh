@@ -48,12 +48,11 @@ for part in "$@"; do
     int4tiles) timeout "${INT4_S:-240}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65} \
                  --tiles "${INT4_TILES:-auto,16x32x128,1x32x256,2x32x256,1x64x256,1x16x256,1x32x512,4x32x128}" \
                  --out "$out/int4tiles" 2>&1 | grep -v "^|" | tail -12 ;;
-    int4big) # the INT4 tl.dot path at many rows (a B = 32 verify) by warps, stages and unpacking (e, p):
+    int4big) # the INT4 tl.dot path at many rows (a B = 32 verify) by tile, warps, stages and unpacking:
              # at 4 warps its gate_up tile at BLOCK_M 64 compiles to 255 registers and 120 KB of shared
              # memory (one CTA per SM)
       timeout "${INT4_S:-240}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-544 2080} \
-        --tiles "${INT4_TILES:-auto,64x128x64w8,64x128x64w8e,64x128x64w8p,64x128x64p,64x128x64w8s2p,32x128x64w8p,\
-16x32x128p}" \
+        --tiles "${INT4_TILES:-auto,16x32x128:word,32x32x128,32x64x64,64x128x64w8,64x128x64w8s2}" \
         --out "$out/int4big" 2>&1 | grep "^| kimi" ;;
     moebf16) timeout "${MOE_S:-200}" python3 benchmarks/moe_paths.py --configs moonlight-16b-a3b kimi-k2 \
                --tokens ${MOE_TOKENS:-65 256 544 1024} --tiles auto --out "$out/bf16" 2>&1 | tail -12 ;;

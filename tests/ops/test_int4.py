@@ -160,7 +160,7 @@ def test_int4_row_kernels_match_the_float64_loop(case, block_m, block_n, block_k
     for w in (gate_up, down):  # a read of an expert no token chose shows as NaN
         w.scale[unused] = float("nan")
     ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
-                         block_m=block_m, num_shared=num_shared, int4=True)
+                         block_m=block_m, num_shared=num_shared, row_kernels=True)
     ws.sorted_pairs.fill_(POISON_INT)
     for buf in (ws.h, ws.y, ws.gu):
         buf.fill_(float("nan"))
@@ -171,8 +171,9 @@ def test_int4_row_kernels_match_the_float64_loop(case, block_m, block_n, block_k
 
 def test_int4_takes_the_row_kernels_at_few_pairs_per_expert(kernel_device):
     # a Kimi K2.6 decode token, a tree of 9 and of 65 rows, a verify of 2080 (384 experts, top 8)
-    assert [block_m_for(t * 8, 384, int4=True) for t in (1, 9, 65, 2080)] == [1, 1, 2, 64]
-    assert block_m_for(5 * 8, 10, int4=True) == INT4_ROWS_MAX and block_m_for(6 * 8, 10, int4=True) == 16
+    assert [block_m_for(t * 8, 384, row_kernels=True) for t in (1, 9, 65, 2080)] == [1, 1, 2, 64]
+    assert block_m_for(5 * 8, 10, row_kernels=True) == INT4_ROWS_MAX
+    assert block_m_for(6 * 8, 10, row_kernels=True) == 16
     assert block_m_for(8, 384) == 16  # 16-bit experts: tl.dot's tiles
     case = Case(4, 2, 4, 32, 16, seed=25)
     x, gate_up, down, weights, ids = int4_experts(case, torch.float32, kernel_device)
@@ -183,6 +184,18 @@ def test_int4_takes_the_row_kernels_at_few_pairs_per_expert(kernel_device):
         fused_moe(dense_x, dense_gate_up, dense_down, weights, ids, block_m=4)
     with pytest.raises(ValueError, match="block_m must be a power of two >= 1, got 3"):
         fused_moe(x, gate_up, down, weights, ids, block_m=3)
+
+
+def test_int4_few_rows_take_the_pairs_tiles_where_they_run_natively(kernel_device):
+    """With bf16 on sm_90 the tl.dot tiles in pairs ran faster than the row kernels at 1 to 65 rows
+    (moe.int4_row_kernels); elsewhere the row kernels stay the few-row path."""
+    case = Case(4, 2, 4, 32, 16, seed=25)  # 8 pairs over 4 experts: blocks of 2 for the row kernels
+    x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device)
+    native = compiled_for_sm90(x.device)
+    assert moe.int4_row_kernels(x, gate_up, down) == (not native)
+    assert moe.int4_row_kernels(x.float(), gate_up, down)  # float32 activations: never in pairs
+    auto = fused_moe(x, gate_up, down, weights, ids)
+    assert torch.equal(auto, fused_moe(x, gate_up, down, weights, ids, block_m=16 if native else 2))
 
 
 def test_bad_int4_experts_are_refused(kernel_device):
@@ -196,8 +209,9 @@ def test_bad_int4_experts_are_refused(kernel_device):
         fused_moe(x, gate_up, PackedInt4(down.packed, down.scale[..., :1].contiguous(), 8), weights, ids)
     with pytest.raises(ValueError, match="hidden=40"):
         fused_moe(torch.zeros(2, 40, device=kernel_device), gate_up, down, weights, ids)
-    # the row kernels' gate and up go to workspace.gu: a workspace made for 16-bit experts has none
+    # the row kernels' gate and up go to workspace.gu: one without it is refused
     ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, x.dtype, kernel_device, block_m=2)
+    ws.gu = ws.gu[:0]
     with pytest.raises(ValueError, match=r"workspace.gu must be a contiguous torch.float32 \[4, 32\]"):
         fused_moe(x, gate_up, down, weights, ids, workspace=ws, block_m=2)
 

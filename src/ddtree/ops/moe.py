@@ -49,8 +49,9 @@ MIN_PROGRAMS = 128
 # INT4 experts: the narrowest tile of a sweep at 1 and 9 rows (results/moe_paths-kimi-k2.6-int4-tiles-*):
 # their programs unpack words rather than wait on memory, so more of them must run at once.
 INT4_TILES = (32, 128)
-# INT4 experts at up to INT4_ROWS_MAX pairs per expert (mean, a power of two): the row kernels
-# (moe_int4_rows.py), in blocks of that many pairs, with tiles (BLOCK_N, BLOCK_K) INT4_ROWS_TILES
+# INT4 experts at up to INT4_ROWS_MAX pairs per expert (mean, a power of two), where the tl.dot path
+# cannot unpack in pairs (int4_row_kernels): the row kernels (moe_int4_rows.py), in blocks of that
+# many pairs, with tiles (BLOCK_N, BLOCK_K) INT4_ROWS_TILES
 # (results/moe_paths-kimi-k2.6-int4-rows-*: 1 x 16 x 256 and 2 x 16 x 256 with 2 warps ran fastest at 1, 9
 # and 65 rows; dev/int4_gemv_variants: 256 columns and 2 warps ran a one-row GEMV fastest).
 INT4_ROWS_MAX = 4
@@ -59,19 +60,20 @@ INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
 # How the tl.dot path unpacks INT4 tiles: "word", "element" or "pairs" (int4_tiles.py; int4_unpack
-# says what runs); benchmarks/moe_paths.py times them.
-INT4_UNPACK = "word"
+# says what runs). Pairs ran 1.9x word at 544 rows on an H100, and faster than the row kernels at
+# 1, 9 and 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md).
+INT4_UNPACK = "pairs"
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
 SHARED_M = 16  # tokens per shared-expert program beside the INT4 row kernels (tl.dot's minimum)
 
 
-def block_m_for(num_pairs: int, num_experts: int, int4: bool = False) -> int:
+def block_m_for(num_pairs: int, num_experts: int, row_kernels: bool = False) -> int:
     """Rows per expert block: the mean pairs per expert rounded up to a power of two, in [16, 64]
-    for tl.dot's tiles; with INT4 experts up to INT4_ROWS_MAX that power of two itself (the row
-    kernels, which take blocks of any power of two)."""
+    for tl.dot's tiles; with row_kernels (INT4 experts that take them: int4_row_kernels) up to
+    INT4_ROWS_MAX that power of two itself (the row kernels take blocks of any power of two)."""
     rows = triton.next_power_of_2(max(1, -(-num_pairs // num_experts)))
-    return rows if int4 and rows <= INT4_ROWS_MAX else min(64, max(BLOCK_M, rows))
+    return rows if row_kernels and rows <= INT4_ROWS_MAX else min(64, max(BLOCK_M, rows))
 
 
 def tiles_for(num_pairs: int, inter: int) -> tuple[int, int]:
@@ -95,17 +97,17 @@ class Workspace:
     @classmethod
     def empty(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
               dtype: torch.dtype, device: torch.device | str, block_m: int | None = None,
-              num_shared: int = 0, int4: bool = False) -> Workspace:
-        """int4: for INT4 experts (block_m's default is theirs)."""
+              num_shared: int = 0, row_kernels: bool = False) -> Workspace:
+        """row_kernels: for INT4 experts that take the row kernels at few rows (block_m_for)."""
         pairs = num_tokens * top_k
-        block_m = block_m_for(pairs, num_experts, int4) if block_m is None else block_m
+        block_m = block_m_for(pairs, num_experts, row_kernels) if block_m is None else block_m
         blocks = max_blocks(pairs, num_experts, block_m)
         rows = pairs + num_shared * num_tokens
         return cls(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
                    torch.empty(blocks, dtype=torch.int32, device=device),
                    torch.empty(rows, inter, dtype=dtype, device=device),
                    torch.empty(rows, hidden, dtype=torch.float32, device=device),
-                   torch.empty(pairs if int4 and block_m < 16 else 0, 2 * inter, dtype=torch.float32, device=device))
+                   torch.empty(pairs if block_m < 16 else 0, 2 * inter, dtype=torch.float32, device=device))
 
 
 @dataclass
@@ -218,8 +220,9 @@ def fused_moe(
     block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
                 block_m_for(T * k, E) and tiles_for(T * k + S * T, inter) (INT4_TILES for INT4 experts).
                 INT4 experts also take a block_m below 16 (a power of two): the row kernels
-                (moe_int4_rows.py; None chooses them up to INT4_ROWS_MAX pairs per expert, with
-                INT4_ROWS_TILES), whose sums are not the dequantized twin's to the bit.
+                (moe_int4_rows.py; None chooses them up to INT4_ROWS_MAX pairs per expert where
+                int4_row_kernels says, with INT4_ROWS_TILES), whose sums are not the dequantized
+                twin's to the bit.
     direct_max_tokens: up to this many tokens, no alignment (above); 0: always aligned.
     pdl:        programmatic dependent launch where the GPU has it (ops/launch.py).
     Returns out: x.dtype [T, hidden]; expert outputs (routed in choice order, then shared) are
@@ -229,8 +232,9 @@ def fused_moe(
     (tokens, hidden), top_k = x.shape, ids.shape[1]
     experts, _, inter = expert_shape(w_gate_up)
     int4 = isinstance(w_gate_up, PackedInt4)
+    row_kernels = int4 and int4_row_kernels(x, w_gate_up, w_down)
     if block_m is None:
-        block_m = block_m_for(ids.numel(), experts, int4)
+        block_m = block_m_for(ids.numel(), experts, row_kernels)
     if block_m < 16 and not int4:
         raise ValueError(f"block_m must be a power of two >= 16 (tl.dot), got {block_m}: below 16 (the row "
                          "kernels) takes INT4 experts only")
@@ -252,9 +256,9 @@ def fused_moe(
         raise ValueError(f"out must be a contiguous {x.dtype} [{tokens}, {hidden}] on {x.device}, "
                          f"got {out.dtype} {list(out.shape)} on {out.device}")
     if workspace is None:
-        workspace = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m, num_shared, int4)
+        workspace = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, x.device, block_m, num_shared)
     else:
-        want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m, num_shared, int4)
+        want = Workspace.empty(tokens, top_k, experts, hidden, inter, x.dtype, "meta", block_m, num_shared)
         for name in ("sorted_pairs", "block_expert", "h", "y", "gu"):
             got, need = getattr(workspace, name), getattr(want, name)
             if got.shape != need.shape or got.dtype != need.dtype or got.device != x.device or not got.is_contiguous():
@@ -322,6 +326,13 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
         ws.h.stride(0), down_w[2], down_w[3], ws.y.stride(0), down.stride(0), down_w[4], down_w[5],
         **tiles, **flags,
     )
+
+
+def int4_row_kernels(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> bool:
+    """Whether these INT4 experts take the row kernels at few pairs per expert: only where the
+    tl.dot path cannot unpack in pairs natively, which ran faster at 1 to 65 rows
+    (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md)."""
+    return int4_unpack(x, w_gate_up, w_down) != "pairs"
 
 
 def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> str:

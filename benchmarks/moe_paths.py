@@ -8,7 +8,7 @@ and against the floors.
         # INT4 tiles: BLOCK_M below 16 is the row kernels' (ops/moe_int4_rows.py)
     python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 2080 --tiles auto,64x128x64w8,64x128x64w8s2
         # a tile's w / s suffix: the launches' warps and pipeline stages (ops/moe.py's NUM_WARPS and
-        # NUM_STAGES, INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word,
+        # NUM_STAGES, moe_int4.INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word,
         # :element or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
@@ -40,7 +40,7 @@ from ddtree.models import TargetConfig  # noqa: E402
 from ddtree.models.checkpoint import init_random  # noqa: E402
 from ddtree.models.layers import MoE  # noqa: E402
 from ddtree.ops import KernelPolicy  # noqa: E402
-from ddtree.ops import moe  # noqa: E402
+from ddtree.ops import moe, moe_int4  # noqa: E402
 from ddtree.ops.moe import Workspace, fused_moe  # noqa: E402
 from ddtree.ops.moe_grouped import grouped_moe  # noqa: E402
 from ddtree.ops.moe_align import token_chunks  # noqa: E402
@@ -54,7 +54,7 @@ TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|element|pai
 
 def parse_tile(text: str):
     """None for "auto", else (M, N, K, warps or None, stages or None, INT4 unpacking or None) from
-    "MxNxK[wW][sS][:word|:element|:pairs]" (ops/moe.py's INT4_UNPACK, ops/int4_tiles.py)."""
+    "MxNxK[wW][sS][:word|:element|:pairs]" (ops/moe_int4.py's INT4_UNPACK, ops/int4_tiles.py)."""
     if text == "auto":
         return None
     match = TILE.fullmatch(text)
@@ -75,16 +75,17 @@ def tile_name(tile) -> str:
 
 @contextlib.contextmanager
 def launch_settings(warps: int | None, stages: int | None, unpack: str | None = None):
-    """ops/moe.py's launch constants set to these (None: as they are) while the block runs."""
-    saved = moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES, moe.INT4_UNPACK
+    """ops/moe.py's and moe_int4.py's launch constants set to these (None: as they are) while the
+    block runs."""
+    saved = moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK
     moe.NUM_WARPS = warps or saved[0]
-    moe.INT4_ROWS_WARPS = warps or saved[1]
+    moe_int4.INT4_ROWS_WARPS = warps or saved[1]
     moe.NUM_STAGES = stages or saved[2]
-    moe.INT4_UNPACK = unpack or saved[3]
+    moe_int4.INT4_UNPACK = unpack or saved[3]
     try:
         yield
     finally:
-        moe.NUM_WARPS, moe.INT4_ROWS_WARPS, moe.NUM_STAGES, moe.INT4_UNPACK = saved
+        moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK = saved
 
 
 def moe_layer(name: str) -> MoE:
@@ -126,7 +127,7 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
             m, n, k, warps, stages, unpack = tile or (None,) * 6
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
             with launch_settings(warps, stages, unpack):
-                rows = int4 and moe.int4_row_kernels(x, *experts)  # as fused_moe decides under these settings
+                rows = int4 and moe_int4.int4_row_kernels(x, *experts)  # as fused_moe decides under these settings
                 spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m,
                                           row_kernels=rows) for p in parts]
 

@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ddtree.ops import moe as fused_moe
-from ddtree.ops import moe_align, moe_int4_rows
+from ddtree.ops import moe_align, moe_int4, moe_int4_rows
 from ddtree.ops import moe_kernels as fused_moe_kernels
 
 from ..sm90_assembly import assemble, waits_before_memory
@@ -77,9 +77,9 @@ def all_reports() -> dict[str, dict]:
     direct = dict(tiles, DIRECT=True)
     tiles = dict(tiles, DIRECT=False)
     int4 = dict(tiles, W4=True, EVEN_K=True)  # Kimi K2.6's hidden and inter are multiples of BLOCK_K
-    block_n, block_k = fused_moe.INT4_ROWS_TILES
+    block_n, block_k = moe_int4.INT4_ROWS_TILES
     rows = dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP=32, EVEN_K=True)
-    rows_launch = dict(num_warps=fused_moe.INT4_ROWS_WARPS, num_stages=fused_moe.NUM_STAGES)
+    rows_launch = dict(num_warps=moe_int4.INT4_ROWS_WARPS, num_stages=fused_moe.NUM_STAGES)
     index_i64 = dict(index, block_expert_ptr="*i64")
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),

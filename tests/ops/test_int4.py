@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.ops import moe
+from ddtree.ops import moe_int4
 from ddtree.ops.int4 import PackedInt4, dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from ddtree.ops.launch import compiled_for_sm90
-from ddtree.ops.moe import INT4_ROWS_MAX, INT4_TILES, SharedExperts, Workspace, block_m_for, fused_moe
+from ddtree.ops.moe import SharedExperts, Workspace, block_m_for, fused_moe
+from ddtree.ops.moe_int4 import INT4_ROWS_MAX, INT4_TILES
 from ddtree.ops.moe_grouped import grouped_moe
 
 from .test_moe import POISON_INT, TOL, Case, assert_close, make_inputs, make_shared, moe_reference
@@ -112,13 +113,13 @@ def test_int4_tiles_unpacked_every_way_equal_those_unpacked_by_word(case, dtype,
     shared = make_shared(case, 1, dtype, kernel_device)
     runs = []
     for mode in ("word", unpack):
-        monkeypatch.setattr(moe, "INT4_UNPACK", mode)
+        monkeypatch.setattr(moe_int4, "INT4_UNPACK", mode)
         ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
                              block_m=block_m, num_shared=1)
         for buf in (ws.h, ws.y):
             buf.fill_(float("nan"))
         runs.append(fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m))
-    ran = moe.int4_unpack(x, gate_up, down)
+    ran = moe_int4.int4_unpack(x, gate_up, down)
     pairs = "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
     assert ran == {"element": "element", "pairs": pairs if dtype == torch.bfloat16 else "word"}[unpack]
     assert not runs[1].isnan().any()
@@ -130,7 +131,7 @@ def test_int4_tiles_unpacked_every_way_equal_those_unpacked_by_word(case, dtype,
 
 def test_an_unknown_int4_unpacking_is_refused(kernel_device, monkeypatch):
     x, gate_up, down, weights, ids = int4_experts(CASES[1], torch.bfloat16, kernel_device)
-    monkeypatch.setattr(moe, "INT4_UNPACK", "pair")
+    monkeypatch.setattr(moe_int4, "INT4_UNPACK", "pair")
     with pytest.raises(ValueError, match="INT4_UNPACK must be 'word', 'element' or 'pairs', got 'pair'"):
         fused_moe(x, gate_up, down, weights, ids, block_m=16)
 
@@ -188,12 +189,12 @@ def test_int4_takes_the_row_kernels_at_few_pairs_per_expert(kernel_device):
 
 def test_int4_few_rows_take_the_pairs_tiles_where_they_run_natively(kernel_device):
     """With bf16 on sm_90 the tl.dot tiles in pairs ran faster than the row kernels at 1 to 65 rows
-    (moe.int4_row_kernels); elsewhere the row kernels stay the few-row path."""
+    (moe_int4.int4_row_kernels); elsewhere the row kernels stay the few-row path."""
     case = Case(4, 2, 4, 32, 16, seed=25)  # 8 pairs over 4 experts: blocks of 2 for the row kernels
     x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device)
     native = compiled_for_sm90(x.device)
-    assert moe.int4_row_kernels(x, gate_up, down) == (not native)
-    assert moe.int4_row_kernels(x.float(), gate_up, down)  # float32 activations: never in pairs
+    assert moe_int4.int4_row_kernels(x, gate_up, down) == (not native)
+    assert moe_int4.int4_row_kernels(x.float(), gate_up, down)  # float32 activations: never in pairs
     auto = fused_moe(x, gate_up, down, weights, ids)
     assert torch.equal(auto, fused_moe(x, gate_up, down, weights, ids, block_m=16 if native else 2))
 

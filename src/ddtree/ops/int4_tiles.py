@@ -2,7 +2,7 @@
 scales (compressed-tensors' layout, ops/int4.py) turned into a [BLOCK_K, BLOCK_N] tile of the
 activations' dtype, q * scale rounded once, as int4.dequantize_int4 rounds. At hundreds of rows per
 expert the unpacking, not the tensor cores, bounds the kernel, so there are three ways to do it
-(UNPACK, ops/moe.py's INT4_UNPACK; benchmarks/moe_paths.py times them):
+(UNPACK, ops/moe_int4.py's INT4_UNPACK; benchmarks/moe_paths.py times them):
 
     word     each row's BLOCK_K / 8 words read once (16-byte vectors), every value shifted out,
              converted to float32, scaled and rounded

@@ -26,6 +26,7 @@ from triton import knobs
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernels of ops/ take
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def require_kernel_device(device: torch.device, what: str) -> None:

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
+from . import moe_int4
 from .int4 import PackedInt4
-from .launch import DTYPES, compiled_for_sm90, dot_flags, launch_flags, require_kernel_device
-from .moe_int4_rows import down_rows_kernel, gate_up_rows_kernel
+from .launch import DTYPES, dot_flags, launch_flags, require_kernel_device
 from .moe_kernels import down_kernel, gate_up_kernel, sum_choices_kernel
 from .moe_align import ExpertBlocks, align_by_expert, max_blocks
 from .moe_grouped import expert_shape
@@ -46,34 +45,17 @@ BLOCK_N = 128
 BLOCK_K = 64
 NARROW_TILES = (64, 128)  # (BLOCK_N, BLOCK_K) when the gate_up launch would leave SMs idle
 MIN_PROGRAMS = 128
-# INT4 experts: the narrowest tile of a sweep at 1 and 9 rows (results/moe_paths-kimi-k2.6-int4-tiles-*):
-# their programs unpack words rather than wait on memory, so more of them must run at once.
-INT4_TILES = (32, 128)
-# INT4 experts at up to INT4_ROWS_MAX pairs per expert (mean, a power of two), where the tl.dot path
-# cannot unpack in pairs (int4_row_kernels): the row kernels (moe_int4_rows.py), in blocks of that
-# many pairs, with tiles (BLOCK_N, BLOCK_K) INT4_ROWS_TILES
-# (results/moe_paths-kimi-k2.6-int4-rows-*: 1 x 16 x 256 and 2 x 16 x 256 with 2 warps ran fastest at 1, 9
-# and 65 rows; dev/int4_gemv_variants: 256 columns and 2 warps ran a one-row GEMV fastest).
-INT4_ROWS_MAX = 4
-INT4_ROWS_TILES = (16, 256)
-INT4_ROWS_WARPS = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
-# How the tl.dot path unpacks INT4 tiles: "word", "element" or "pairs" (int4_tiles.py; int4_unpack
-# says what runs). Pairs ran 1.9x word at 544 rows on an H100, and faster than the row kernels at
-# 1, 9 and 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md).
-INT4_UNPACK = "pairs"
-TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 SUM_BLOCK = 1024  # hidden columns per program of the sum over choices
-SHARED_M = 16  # tokens per shared-expert program beside the INT4 row kernels (tl.dot's minimum)
 
 
 def block_m_for(num_pairs: int, num_experts: int, row_kernels: bool = False) -> int:
     """Rows per expert block: the mean pairs per expert rounded up to a power of two, in [16, 64]
-    for tl.dot's tiles; with row_kernels (INT4 experts that take them: int4_row_kernels) up to
-    INT4_ROWS_MAX that power of two itself (the row kernels take blocks of any power of two)."""
+    for tl.dot's tiles; with row_kernels (INT4 experts that take them: moe_int4.int4_row_kernels)
+    up to INT4_ROWS_MAX that power of two itself (the row kernels take blocks of any power of two)."""
     rows = triton.next_power_of_2(max(1, -(-num_pairs // num_experts)))
-    return rows if row_kernels and rows <= INT4_ROWS_MAX else min(64, max(BLOCK_M, rows))
+    return rows if row_kernels and rows <= moe_int4.INT4_ROWS_MAX else min(64, max(BLOCK_M, rows))
 
 
 def tiles_for(num_pairs: int, inter: int) -> tuple[int, int]:
@@ -131,21 +113,6 @@ class SharedExperts:
         return width // inter
 
 
-def _check_int4(x, w_gate_up: PackedInt4, w_down, weights, ids) -> tuple[int, int]:
-    """INT4 experts' checks; returns (E, inter)."""
-    if not isinstance(w_down, PackedInt4):
-        raise TypeError("w_gate_up and w_down must both be INT4 (PackedInt4) or both tensors")
-    if w_gate_up.group_size != w_down.group_size:
-        raise ValueError(f"w_gate_up and w_down group sizes differ: {w_gate_up.group_size} and {w_down.group_size}")
-    experts, hidden, inter = expert_shape(w_gate_up)
-    if hidden != x.shape[1] or w_gate_up.out_features % 2:
-        raise ValueError(f"w_gate_up must hold [E, 2 * inter, hidden={x.shape[1]}] INT4 weights, got packed "
-                         f"{list(w_gate_up.packed.shape)}")
-    w_gate_up.check("w_gate_up", (experts,), 2 * inter, hidden, x.device)
-    w_down.check("w_down", (experts,), hidden, inter, x.device)
-    return experts, inter
-
-
 def _check(x, w_gate_up, w_down, weights, ids, shared: SharedExperts | None) -> int:
     """Raises on a bad input; returns the number of shared experts."""
     if x.dim() != 2:
@@ -157,7 +124,7 @@ def _check(x, w_gate_up, w_down, weights, ids, shared: SharedExperts | None) -> 
     tokens, hidden = x.shape
     checks = [("weights", weights, torch.float32, ids.shape), ("ids", ids, torch.int64, None)]
     if isinstance(w_gate_up, PackedInt4):
-        experts, inter = _check_int4(x, w_gate_up, w_down, weights, ids)
+        experts, inter = moe_int4.check_int4(x, w_gate_up, w_down, weights, ids)
     else:
         if isinstance(w_down, PackedInt4):
             raise TypeError("w_gate_up and w_down must both be INT4 (PackedInt4) or both tensors")
@@ -218,10 +185,10 @@ def fused_moe(
     out:        optional x.dtype [T, hidden] contiguous buffer for the result.
     workspace:  optional Workspace.empty(T, k, E, hidden, inter, x.dtype, x.device, block_m, S).
     block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
-                block_m_for(T * k, E) and tiles_for(T * k + S * T, inter) (INT4_TILES for INT4 experts).
+                block_m_for(T * k, E) and tiles_for(T * k + S * T, inter) (moe_int4.INT4_TILES for INT4 experts).
                 INT4 experts also take a block_m below 16 (a power of two): the row kernels
                 (moe_int4_rows.py; None chooses them up to INT4_ROWS_MAX pairs per expert where
-                int4_row_kernels says, with INT4_ROWS_TILES), whose sums are not the dequantized
+                moe_int4.int4_row_kernels says, with INT4_ROWS_TILES), whose sums are not the dequantized
                 twin's to the bit.
     direct_max_tokens: up to this many tokens, no alignment (above); 0: always aligned.
     pdl:        programmatic dependent launch where the GPU has it (ops/launch.py).
@@ -232,14 +199,14 @@ def fused_moe(
     (tokens, hidden), top_k = x.shape, ids.shape[1]
     experts, _, inter = expert_shape(w_gate_up)
     int4 = isinstance(w_gate_up, PackedInt4)
-    row_kernels = int4 and int4_row_kernels(x, w_gate_up, w_down)
+    row_kernels = int4 and moe_int4.int4_row_kernels(x, w_gate_up, w_down)
     if block_m is None:
         block_m = block_m_for(ids.numel(), experts, row_kernels)
     if block_m < 16 and not int4:
         raise ValueError(f"block_m must be a power of two >= 16 (tl.dot), got {block_m}: below 16 (the row "
                          "kernels) takes INT4 experts only")
     if int4:
-        wide_n, wide_k = INT4_ROWS_TILES if block_m < 16 else INT4_TILES
+        wide_n, wide_k = moe_int4.INT4_ROWS_TILES if block_m < 16 else moe_int4.INT4_TILES
     else:
         wide_n, wide_k = tiles_for(ids.numel() + num_shared * tokens, inter)
     block_n = wide_n if block_n is None else block_n
@@ -288,10 +255,11 @@ def _launch(x, w_gate_up, w_down, weights, ids, blocks: ExpertBlocks | None, ws:
         return
     # INT4 experts through the row kernels; the shared experts in tl.dot launches of their own, so
     # that the row kernels' programs hold no tl.dot tiles (registers, shared memory)
-    _launch_rows(x, w_gate_up, w_down, weights, blocks, block_expert, ws, routed_blocks, block_m, block_n, block_k, pdl)
+    moe_int4.launch_rows(x, w_gate_up, w_down, weights, blocks, block_expert, ws, routed_blocks, block_m, block_n,
+                         block_k, NUM_STAGES, pdl)
     if num_shared:
         shared_tiles = tiles_for(num_shared * x.shape[0], ws.h.shape[1])
-        _launch_dot(x, x, x, weights, None, ws, shared, num_shared, 0, SHARED_M, *shared_tiles, pdl)
+        _launch_dot(x, x, x, weights, None, ws, shared, num_shared, 0, moe_int4.SHARED_M, *shared_tiles, pdl)
 
 
 def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shared, num_shared, routed_blocks,
@@ -312,7 +280,7 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
     block_expert = ws.block_expert if block_expert is None else block_expert
     flags = dict(**dot_flags(x.dtype), DIRECT=direct, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
                  EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0,
-                 UNPACK=int4_unpack(x, w_gate_up, w_down) if int4 else "word", **launch_flags(x.device, pdl))
+                 UNPACK=moe_int4.int4_unpack(x, w_gate_up, w_down) if int4 else "word", **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
@@ -325,44 +293,4 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
         num_pairs, experts, tokens, inter, hidden, routed_blocks, token_blocks,
         ws.h.stride(0), down_w[2], down_w[3], ws.y.stride(0), down.stride(0), down_w[4], down_w[5],
         **tiles, **flags,
-    )
-
-
-def int4_row_kernels(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> bool:
-    """Whether these INT4 experts take the row kernels at few pairs per expert: only where the
-    tl.dot path cannot unpack in pairs natively, which ran faster at 1 to 65 rows
-    (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md)."""
-    return int4_unpack(x, w_gate_up, w_down) != "pairs"
-
-
-def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> str:
-    """INT4_UNPACK where it can run: "pairs" needs bf16 activations and scales ("word" otherwise),
-    and its inline PTX sm_90 ("pairs_plain", the same tile in plain Triton, otherwise)."""
-    if INT4_UNPACK not in ("word", "element", "pairs"):
-        raise ValueError(f"INT4_UNPACK must be 'word', 'element' or 'pairs', got {INT4_UNPACK!r}")
-    if INT4_UNPACK != "pairs":
-        return INT4_UNPACK
-    if not x.dtype == w_gate_up.scale.dtype == w_down.scale.dtype == torch.bfloat16:
-        return "word"
-    return "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
-
-
-def _launch_rows(x, w_gate_up: PackedInt4, w_down: PackedInt4, weights, blocks, block_expert, ws: Workspace,
-                 routed_blocks, block_m, block_n, block_k, pdl) -> None:
-    """moe_int4_rows' two kernels over the routed pairs: gate and up into ws.gu, then ws.y."""
-    hidden = x.shape[1]
-    experts, _, inter = expert_shape(w_gate_up)
-    top_k, num_pairs = weights.shape[1], weights.numel()
-    flags = dict(DIRECT=blocks is None, GROUP=w_gate_up.group_size, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=block_m,
-                 num_warps=INT4_ROWS_WARPS, num_stages=NUM_STAGES, **launch_flags(x.device, pdl))
-    gu, down = w_gate_up, w_down  # short names for the long argument lists below
-    gate_up_rows_kernel[(routed_blocks, triton.cdiv(2 * inter, block_n))](
-        x, gu.packed, ws.sorted_pairs, block_expert, ws.gu, gu.scale, num_pairs, experts, top_k, hidden, 2 * inter,
-        x.stride(0), gu.packed.stride(0), gu.packed.stride(1), ws.gu.stride(0), gu.scale.stride(0), gu.scale.stride(1),
-        EVEN_K=hidden % block_k == 0, **flags,
-    )
-    down_rows_kernel[(routed_blocks, triton.cdiv(hidden, block_n))](
-        ws.gu, down.packed, weights, ws.sorted_pairs, block_expert, ws.y, down.scale, num_pairs, experts, inter, hidden,
-        ws.gu.stride(0), down.packed.stride(0), down.packed.stride(1), ws.y.stride(0), down.scale.stride(0),
-        down.scale.stride(1), EVEN_K=inter % block_k == 0, DTYPE=TL_DTYPES[x.dtype], **flags,
     )

@@ -24,7 +24,7 @@ for part in "$@"; do
              timeout "${SUITE_S:-300}" python3 -m pytest -q -p no:cacheprovider -m cuda -n "${WORKERS:-8}" \
                --timeout "${TEST_S:-200}" --durations=0 -rA tests; } > "$out/cuda_suite.log" 2>&1
            echo "suite rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|Timeout" "$out/cuda_suite.log" | head -40 ;;
-    ops) # 8 workers: at 4 these did not finish in 100 s on an H100; test_int4 alone took 18 s at 8 (db02579)
+    ops) # 8 workers: with 4 these did not finish within OPS_S on an H100
       timeout "${OPS_S:-120}" python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_int4.py tests/ops/test_moe.py \
         tests/ops/test_moe_decode.py 2>&1 | tee "$out/ops.log" | tail -6 ;;
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \

@@ -25,8 +25,8 @@ INT4_ROWS_MAX = 4
 INT4_ROWS_TILES = (16, 256)
 INT4_ROWS_WARPS = 2
 # How the tl.dot path unpacks INT4 tiles: "word", "element" or "pairs" (int4_tiles.py; int4_unpack
-# says what runs). Pairs ran 1.9x word at 544 rows on an H100, and faster than the row kernels at
-# 1, 9 and 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md).
+# says what runs). Pairs ran faster than word at 544 rows on an H100, and than the row kernels at
+# 1 to 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md, -unpack-).
 INT4_UNPACK = "pairs"
 SHARED_M = 16  # tokens per shared-expert program beside the row kernels (tl.dot's minimum)
 

@@ -1,16 +1,20 @@
-"""The commit's gather-then-scatter against the entry-by-entry reference, on shuffled pages,
-overlapping moves, paths of every length and inactive requests; nothing outside the moved
-slots changes."""
+"""The commit's moves (PyTorch's gather-then-scatter and ops/cache_moves.py's one launch) against
+the entry-by-entry reference, on shuffled pages, overlapping moves, paths of every length and
+inactive requests; nothing outside the moved slots changes."""
 
+import sys
+
+import pytest
 import torch
 
 from ddtree.engine.commit import commit_reference, commit_slots, move_entries
+from ddtree.ops import KERNELS, REFERENCE, cache_moves
 from ddtree.tree import accept_paths, build_trees, topk_logprobs
 
 PAGE = 4
 
 
-def _case(seed: int):
+def _case(seed: int, device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     batch, depth, budget = 5, 6, 12
     lp, tok = topk_logprobs(torch.randn(batch, depth, 10, generator=gen) * 3, 4)  # peaked: deep trees
@@ -32,27 +36,66 @@ def _case(seed: int):
     pages_each = -(-(int(prefix.max()) + budget + 1) // PAGE)
     order = torch.randperm(batch * pages_each + 2, generator=gen)
     table = order[: batch * pages_each].view(batch, pages_each).int()
-    caches = [torch.randn(batch * pages_each + 3, PAGE, 8, generator=gen) for _ in range(2)]  # last page: scratch
+    # views of one tensor, as Target.new_cache makes them; the last page is the scratch page
+    caches = list(torch.randn(3, batch * pages_each + 3, PAGE, 24, generator=gen).to(device).unbind(0))
     active = torch.tensor([True, True, False, True, True])
-    return caches, table, prefix, accepted, accept_len, active
+    on = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    return (caches, *on(table, prefix, accepted, accept_len, active))
 
 
-def test_commit_matches_the_reference():
+# both paths: the kernel's where kernels run (CUDA, or the interpreter on the CPU)
+PATHS = [pytest.param(REFERENCE, id="reference"), pytest.param(KERNELS, id="kernel")]
+
+
+@pytest.mark.parametrize("policy", PATHS)
+def test_commit_matches_the_reference(policy, kernel_device):
     for seed in range(6):
-        caches, table, prefix, accepted, accept_len, active = _case(seed)
+        caches, table, prefix, accepted, accept_len, active = _case(seed, kernel_device)
         assert accept_len.max() >= 4, seed  # the steering reaches deep paths
         want = [c.clone() for c in caches]
         commit_reference(want, table, prefix, accepted, accept_len, active)
         src, dst = commit_slots(table, prefix, accepted, accept_len, active, PAGE, scratch_page=caches[0].shape[0] - 1)
-        move_entries(caches, src, dst)
+        move_entries(caches, src, dst, accepted.shape[0], policy)
         for got, ref in zip(caches, want):
             assert torch.equal(got[:-1], ref[:-1]), seed  # every request page, untouched ones included
 
 
-def test_inactive_and_short_paths_move_nothing():
-    caches, table, prefix, accepted, accept_len, active = _case(7)
+@pytest.mark.parametrize("policy", PATHS)
+def test_inactive_and_short_paths_move_nothing(policy, kernel_device):
+    caches, table, prefix, accepted, accept_len, active = _case(7, kernel_device)
     before = [c.clone() for c in caches]
     src, dst = commit_slots(table, prefix, accepted, torch.ones_like(accept_len), active, PAGE, caches[0].shape[0] - 1)
-    move_entries(caches, src, dst)
+    move_entries(caches, src, dst, accepted.shape[0], policy)
     for got, ref in zip(caches, before):
         assert torch.equal(got[:-1], ref[:-1])
+
+
+def test_the_one_launch_needs_one_tensors_views_and_whole_requests(kernel_device, monkeypatch):
+    caches, table, prefix, accepted, accept_len, active = _case(3, kernel_device)
+    src, dst = commit_slots(table, prefix, accepted, accept_len, active, PAGE, caches[0].shape[0] - 1)
+    apart = [c.clone() for c in caches]  # separate tensors: no layer stride
+    assert cache_moves.layer_stride(caches) == caches[0].numel() and cache_moves.layer_stride(apart) is None
+    with pytest.raises(ValueError, match="views of one tensor"):
+        cache_moves.move_entries(apart, src, dst, accepted.shape[0])
+    with pytest.raises(ValueError, match=r"src and dst must be \[requests \* D\] for requests=4"):
+        cache_moves.move_entries(caches, src, dst, 4)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        cache_moves.move_entries(caches, src.int(), dst.int(), accepted.shape[0])
+    # the engine's commit keeps separate caches on the PyTorch path rather than refusing them
+    monkeypatch.setattr(cache_moves, "move_entries", lambda *a, **k: pytest.fail("one launch over separate caches"))
+    want = [c.clone() for c in apart]
+    commit_reference(want, table, prefix, accepted, accept_len, active)
+    move_entries(apart, src, dst, accepted.shape[0], KERNELS)
+    for got, ref in zip(apart, want):
+        assert torch.equal(got[:-1], ref[:-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA toolchain ships for Linux")
+def test_the_move_kernel_compiles_for_sm90_and_waits_for_its_producer_first():
+    from ..sm90_assembly import compiled_in_fresh_interpreter
+
+    report = compiled_in_fresh_interpreter(
+        "import json; from tests.ops.fused_moe_compile import compile_report; from ddtree.ops import cache_moves; "
+        "print(json.dumps(compile_report(cache_moves._move_kernel, dict(cache_ptr='*bf16', src_ptr='*i64', "
+        "dst_ptr='*i64'), dict(BLOCK_W=1024), num_warps=4)))")
+    assert report["spill_bytes"] == 0 and report["pdl_waits"] >= 1 and report["waits_first"], report

@@ -114,3 +114,28 @@ def test_chunked_prefill_equals_one_pass(pair, ar_outputs):
         assert [o.token_ids for o in outs] == want + [extra], mode
 
 
+
+
+def test_the_engine_commits_through_the_one_launch_move(pair, ar_outputs, kernel_device, monkeypatch):
+    """The round's cache moves through ops/cache_moves.py's kernel (interpreted here), over the
+    engine's own caches (views of one tensor): ddtree still equals ar."""
+    if kernel_device != "cpu":
+        pytest.skip("the engine here runs on the CPU: its kernels only interpreted")
+    from ddtree.engine import commit
+    from ddtree.engine import round as round_module
+    from ddtree.ops import KERNELS, cache_moves
+
+    calls = []
+
+    def through_the_kernel(caches, src, dst, requests, policy):
+        assert cache_moves.layer_stride(caches) is not None  # Target.new_cache's views
+        calls.append(requests)
+        commit.move_entries(caches, src, dst, requests, KERNELS)
+
+    monkeypatch.setattr(round_module, "move_entries", through_the_kernel)
+    monkeypatch.setattr(cache_moves, "move_entries_reference", lambda *a: pytest.fail("the PyTorch moves ran"))
+    target_dir, drafter_dir, _ = pair
+    batch, want = ar_outputs
+    engine = Engine.from_pretrained(target_dir, drafter_dir, device="cpu", page_size=16, max_batch=8, stop_token_ids=())
+    outs = engine.generate(batch, max_new_tokens=NEW, mode="ddtree", budget=16)
+    assert calls and [o.token_ids for o in outs] == want

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..models.paged import cache_slots
+from ..ops import cache_moves
+from ..ops.policy import KernelPolicy
 
 
 def commit_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, accepted: torch.Tensor, accept_len: torch.Tensor,
@@ -29,12 +31,15 @@ def commit_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, accepted:
     return src.flatten(), dst.flatten()
 
 
-def move_entries(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """In every layer's cache [pages, page_size, W]: gather the entries at src, then scatter them to dst."""
-    for cache in caches:
-        flat = cache.view(-1, cache.shape[-1])
-        moved = flat[src]  # a copy: the scatter below cannot clobber a source
-        flat[dst] = moved
+def move_entries(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, requests: int,
+                 policy: KernelPolicy) -> None:
+    """In every layer's cache [pages, page_size, W]: the entries at flat slots src moved to dst
+    (commit_slots' [requests * D] each): one launch for all layers where the policy takes kernels
+    and the caches are one tensor's views (ops/cache_moves.py), else per layer in PyTorch."""
+    if policy.kernel("commit", src) and cache_moves.layer_stride(caches) is not None:
+        cache_moves.move_entries(caches, src, dst, requests, policy.pdl)
+    else:
+        cache_moves.move_entries_reference(caches, src, dst)
 
 
 def commit_reference(caches: list[torch.Tensor], block_table: torch.Tensor, prefix_lens: torch.Tensor,

@@ -168,7 +168,7 @@ def _tree_round(ctx, state, plan, max_depth, timer):
     timer.mark("accept")
     src, dst = commit_slots(state.block_table[s], state.prefix_lens[s], accepted, accept_len, active,
                             ctx.page_size, ctx.scratch_page)
-    move_entries(ctx.caches, src, dst)
+    move_entries(ctx.caches, src, dst, plan.bucket, ctx.target.norm.policy)  # the model's kernel policy
     rows = accepted.clamp_min(0)
     features = torch.cat(hidden, -1)
     features = features.gather(1, rows[..., None].expand(-1, -1, features.shape[-1]))

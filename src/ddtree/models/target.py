@@ -233,7 +233,8 @@ class Target(nn.Module):
         return self.logits_of(self.norm(x)), captured
 
     def new_cache(self, num_pages: int, page_size: int = 64, device=None, dtype=None) -> list[torch.Tensor]:
-        """One paged latent cache per layer: [num_pages + 1, page_size, kv_lora_rank + qk_rope_head_dim].
+        """One paged latent cache per layer: [num_pages + 1, page_size, kv_lora_rank + qk_rope_head_dim],
+        views of one tensor (so that one launch reaches every layer's: ops/cache_moves.py).
 
         Pages 0 .. num_pages - 1 are for requests; page num_pages (the last) is the scratch page
         that padding rows write to (ForwardMeta.build's scratch_page) and that no request owns.
@@ -241,7 +242,8 @@ class Target(nn.Module):
         dtype = dtype or self.embed_tokens.weight.dtype
         device = device or self.embed_tokens.weight.device
         width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
-        return [torch.zeros(num_pages + 1, page_size, width, dtype=dtype, device=device) for _ in self.layers]
+        stacked = torch.zeros(len(self.layers), num_pages + 1, page_size, width, dtype=dtype, device=device)
+        return list(stacked.unbind(0))
 
     def forward_paged(
         self,

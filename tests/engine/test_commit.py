@@ -75,6 +75,9 @@ def test_the_one_launch_needs_one_tensors_views_and_whole_requests(kernel_device
     src, dst = commit_slots(table, prefix, accepted, accept_len, active, PAGE, caches[0].shape[0] - 1)
     apart = [c.clone() for c in caches]  # separate tensors: no layer stride
     assert cache_moves.layer_stride(caches) == caches[0].numel() and cache_moves.layer_stride(apart) is None
+    flat = caches[0].new_zeros(4 * caches[0].numel())
+    overlapping = [flat[i * 8: i * 8 + caches[0].numel()].view_as(caches[0]) for i in range(3)]
+    assert cache_moves.layer_stride(overlapping) is None
     with pytest.raises(ValueError, match="views of one tensor"):
         cache_moves.move_entries(apart, src, dst, accepted.shape[0])
     with pytest.raises(ValueError, match=r"src and dst must be \[requests \* D\] for requests=4"):
@@ -97,5 +100,5 @@ def test_the_move_kernel_compiles_for_sm90_and_waits_for_its_producer_first():
     report = compiled_in_fresh_interpreter(
         "import json; from tests.ops.fused_moe_compile import compile_report; from ddtree.ops import cache_moves; "
         "print(json.dumps(compile_report(cache_moves._move_kernel, dict(cache_ptr='*bf16', src_ptr='*i64', "
-        "dst_ptr='*i64'), dict(BLOCK_W=1024), num_warps=4)))")
+        "dst_ptr='*i64'), dict(BLOCK_W=256), num_warps=4)))")
     assert report["spill_bytes"] == 0 and report["pdl_waits"] >= 1 and report["waits_first"], report

@@ -54,8 +54,8 @@ def layer_stride(caches: list[torch.Tensor]) -> int | None:
     if len(caches) == 1:
         return first.numel() if first.is_contiguous() else None
     stride = caches[1].data_ptr() - first.data_ptr()
-    if stride <= 0 or stride % first.element_size():
-        return None
+    if stride < first.numel() * first.element_size() or stride % first.element_size():
+        return None  # overlapping layers would race
     for i, cache in enumerate(caches):
         if (cache.shape != first.shape or cache.dtype != first.dtype or not cache.is_contiguous()
                 or cache.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
@@ -82,6 +82,6 @@ def move_entries(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tenso
     moves, width = src.numel() // requests, caches[0].shape[-1]
     if moves == 0:
         return
-    block_w = min(1024, triton.next_power_of_2(width))
+    block_w = min(256, triton.next_power_of_2(width))  # several programs per layer and request at B = 1
     _move_kernel[(len(caches), requests, triton.cdiv(width, block_w))](
         caches[0], src, dst, stride, width, moves, BLOCK_W=block_w, num_warps=4, **launch_flags(src.device, pdl))

@@ -2,8 +2,9 @@
 
 Node i of a tree was verified at cache slot prefix + i, at rotary position prefix + depth(i). The
 accepted path's k-th node (depth k) belongs at slot prefix + k, where its position already puts
-it. Sources and destinations overlap (node 3 may move to slot 2 while node 2 moves to 1), so
-every layer gathers all moved entries before scattering any.
+it. Sources and destinations overlap (node 3 may move to slot 2 while node 2 moves to 1): PyTorch's
+path gathers all moved entries of a layer before scattering any; the kernel (ops/cache_moves.py)
+takes each request's moves in path order, which never reads a slot already written.
 """
 
 from __future__ import annotations

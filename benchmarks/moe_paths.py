@@ -8,8 +8,8 @@ and against the floors.
         # INT4 tiles: BLOCK_M below 16 is the row kernels' (ops/moe_int4_rows.py)
     python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 2080 --tiles auto,64x128x64w8,64x128x64w8s2
         # a tile's w / s suffix: the launches' warps and pipeline stages (ops/moe.py's NUM_WARPS and
-        # NUM_STAGES, moe_int4.INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word,
-        # :element or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py)
+        # NUM_STAGES, moe_int4.INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word
+        # or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
@@ -49,17 +49,17 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
 
 
-TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|element|pairs))?")
+TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|pairs))?")
 
 
 def parse_tile(text: str):
     """None for "auto", else (M, N, K, warps or None, stages or None, INT4 unpacking or None) from
-    "MxNxK[wW][sS][:word|:element|:pairs]" (ops/moe_int4.py's INT4_UNPACK, ops/int4_tiles.py)."""
+    "MxNxK[wW][sS][:word|:pairs]" (ops/moe_int4.py's INT4_UNPACK, ops/int4_tiles.py)."""
     if text == "auto":
         return None
     match = TILE.fullmatch(text)
     if match is None:
-        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:element|:pairs] "
+        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:pairs] "
                          "(e.g. 64x128x64w8s2:pairs)")
     *numbers, unpack = match.groups()
     return (*(int(v) if v else None for v in numbers), unpack)

@@ -63,7 +63,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
 
 def all_reports() -> dict[str, dict]:
     """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
-    alignment, and with INT4 experts in groups of 32, unpacked by word, by element and in pairs; the INT4 row
+    alignment, and with INT4 experts in groups of 32, unpacked by word and in pairs; the INT4 row
     kernels); the alignment at 64 tokens x 8 of 384 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
@@ -95,7 +95,7 @@ def all_reports() -> dict[str, dict]:
         "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
         **{f"{name}_int4_{unpack}": compile_report(kernel, dict(pointers, w_ptr="*i32"), dict(int4, UNPACK=unpack),
                                                    **gemm)
-           for unpack in ("element", "pairs")
+           for unpack in ("pairs",)
            for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
                                           ("down", fused_moe_kernels.down_kernel, down_pointers))},
         # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two

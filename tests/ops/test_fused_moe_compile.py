@@ -23,7 +23,7 @@ def test_no_kernel_spills(reports):
 
 def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
     for name in ("gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
-                 "gate_up_int4_element", "down_int4_element", "gate_up_int4_pairs", "down_int4_pairs"):
+                 "gate_up_int4_pairs", "down_int4_pairs"):
         report = reports[name]
         assert report["mma"] > 0, (name, report)
         assert report["shared"] <= 232448, (name, report)  # the sm_90 opt-in limit per block (227 KB)
@@ -48,7 +48,7 @@ def test_every_kernel_waits_for_its_producer_first(reports):
     """Launched with programmatic dependent launch on the H200 (ops/launch.py): each kernel's PTX has
     the grid-dependency wait that keeps it from reading its inputs before the previous kernel ends."""
     assert set(reports) == {"align", "gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
-                            "gate_up_int4_element", "down_int4_element", "gate_up_int4_pairs", "down_int4_pairs",
+                            "gate_up_int4_pairs", "down_int4_pairs",
                             "gate_up_rows", "down_rows", "sum"}
     for name, report in reports.items():
         assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)

@@ -103,16 +103,15 @@ def test_int4_experts_equal_their_dequantized_twin(case, dtype, num_shared, kern
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["masked-k", "even-k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("unpack", ["element", "pairs"])
 @pytest.mark.parametrize("block_m", [16, 64])  # on sm_90: mma.sync and wgmma operands
-def test_int4_tiles_unpacked_every_way_equal_those_unpacked_by_word(case, dtype, unpack, block_m, kernel_device,
-                                                                    monkeypatch):
+def test_int4_tiles_unpacked_in_pairs_equal_those_unpacked_by_word(case, dtype, block_m, kernel_device,
+                                                                   monkeypatch):
     """On the GPU "pairs" is inline PTX; under the interpreter its plain twin ("pairs_plain"), which
     checks the tile's layout (transposed loads, joins, permute); float32 activations take "word"."""
     x, gate_up, down, weights, ids = int4_experts(case, dtype, kernel_device)
     shared = make_shared(case, 1, dtype, kernel_device)
     runs = []
-    for mode in ("word", unpack):
+    for mode in ("word", "pairs"):
         monkeypatch.setattr(moe_int4, "INT4_UNPACK", mode)
         ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, dtype, kernel_device,
                              block_m=block_m, num_shared=1)
@@ -121,18 +120,18 @@ def test_int4_tiles_unpacked_every_way_equal_those_unpacked_by_word(case, dtype,
         runs.append(fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m))
     ran = moe_int4.int4_unpack(x, gate_up, down)
     pairs = "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
-    assert ran == {"element": "element", "pairs": pairs if dtype == torch.bfloat16 else "word"}[unpack]
+    assert ran == (pairs if dtype == torch.bfloat16 else "word")
     assert not runs[1].isnan().any()
     if kernel_device != "cuda":  # NumPy's matmul may sum the word unpacking's transposed tile in another order
         torch.testing.assert_close(runs[1], runs[0])
     else:
-        assert torch.equal(runs[0], runs[1]), "every unpacking gives the same 16-bit weights, multiplied the same way"
+        assert torch.equal(runs[0], runs[1]), "both unpackings give the same 16-bit weights, multiplied the same way"
 
 
 def test_an_unknown_int4_unpacking_is_refused(kernel_device, monkeypatch):
     x, gate_up, down, weights, ids = int4_experts(CASES[1], torch.bfloat16, kernel_device)
     monkeypatch.setattr(moe_int4, "INT4_UNPACK", "pair")
-    with pytest.raises(ValueError, match="INT4_UNPACK must be 'word', 'element' or 'pairs', got 'pair'"):
+    with pytest.raises(ValueError, match="INT4_UNPACK must be 'word' or 'pairs', got 'pair'"):
         fused_moe(x, gate_up, down, weights, ids, block_m=16)
 
 

@@ -1,19 +1,20 @@
 """INT4 weight tiles for tl.dot (moe_kernels.py's W4 path): one expert's packed words and group
 scales (compressed-tensors' layout, ops/int4.py) turned into a [BLOCK_K, BLOCK_N] tile of the
 activations' dtype, q * scale rounded once, as int4.dequantize_int4 rounds. At hundreds of rows per
-expert the unpacking, not the tensor cores, bounds the kernel, so there are three ways to do it
+expert the unpacking, not the tensor cores, bounds the kernel, so there are two ways to do it
 (UNPACK, ops/moe_int4.py's INT4_UNPACK; benchmarks/moe_paths.py times them):
 
     word     each row's BLOCK_K / 8 words read once (16-byte vectors), every value shifted out,
              converted to float32, scaled and rounded
-    element  the tile loaded straight in [BLOCK_K, BLOCK_N], each element reading its own word and
-             scale (shared through the cache): no reshape or transpose before tl.dot
     pairs    bf16 only, on sm_90 (inline PTX): two values at a time, each made a bf16 128 + v by
              one lop3 (the bits under bf16's exponent of 2^7), then one bf16x2 subtraction of 136
              (exact: q = v - 8) and one bf16x2 product with the scale (q * scale has at most 12
              significant bits, so the product is rounded once, to nearest): the same bits as the
              float32 product rounded to bf16. "pairs_plain" is the same tile with the values
              computed in plain Triton (the interpreter, GPUs before sm_90)
+
+A third, each element of the tile loading its own word, ran slowest of the three on an H100
+(results/moe_paths-kimi-k2.6-int4-unpack-nvidia-h100.md) and was removed.
 """
 
 from __future__ import annotations
@@ -74,51 +75,32 @@ def _pairs(words, scale, PTX: tl.constexpr):
 
 
 @triton.jit
-def _by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE):
-    k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        mask = tl.broadcast_to(col_ok[None, :], (BLOCK_K, BLOCK_N))
-    else:
-        mask = (k < depth)[:, None] & col_ok[None, :]
-    rows = offs_n.to(tl.int64)[None, :]
-    words = tl.load(packed_ptr + rows * stride_pn + (k // 8)[:, None], mask=mask, other=0)
-    scale = tl.load(scale_ptr + rows * stride_sn + (k // GROUP)[:, None], mask=mask, other=0.0)
-    q = ((words >> ((k % 8) * 4)[:, None]) & 0xF) - 8
-    return (q.to(tl.float32) * scale.to(tl.float32)).to(DTYPE)
-
-
-@triton.jit
 def int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE,
               UNPACK: tl.constexpr):
     """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
     (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE,
-    unpacked as UNPACK says ("word", "element", "pairs" or "pairs_plain": the module's docstring).
-    GROUP is a multiple of 8, so a word's 8 columns share their scale. EVEN_K: depth is a multiple of
-    BLOCK_K, so no column is masked (and "word" and "pairs" load the words as 16-byte vectors)."""
-    if UNPACK == "element":
-        tile = _by_element(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                           BLOCK_N, BLOCK_K, GROUP, EVEN_K, DTYPE)
+    unpacked as UNPACK says ("word", "pairs" or "pairs_plain": the module's docstring). GROUP is a
+    multiple of 8, so a word's 8 columns share their scale. EVEN_K: depth is a multiple of BLOCK_K,
+    so no column is masked and the words load as 16-byte vectors."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
+    if EVEN_K:
+        mask = tl.broadcast_to(col_ok[:, None], (BLOCK_N, WORDS))
     else:
-        WORDS: tl.constexpr = BLOCK_K // 8
-        word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
-        if EVEN_K:
-            mask = tl.broadcast_to(col_ok[:, None], (BLOCK_N, WORDS))
-        else:
-            mask = col_ok[:, None] & (word * 8 < depth)[None, :]
-        rows = offs_n.to(tl.int64)[:, None]
-        if UNPACK == "pairs" or UNPACK == "pairs_plain":  # loaded [WORDS, BLOCK_N]: joined in the tile's order
-            t_mask = tl.trans(mask)
-            t_words = tl.load(packed_ptr + tl.trans(rows) * stride_pn + word[:, None], mask=t_mask, other=0)
-            t_scale = tl.load(scale_ptr + tl.trans(rows) * stride_sn + (word * 8 // GROUP)[:, None], mask=t_mask,
-                              other=0.0)
-            values = _pairs(t_words, t_scale, UNPACK == "pairs")  # [WORDS, BLOCK_N, 2, 2, 2]
-            tile = tl.reshape(tl.permute(values, (0, 2, 3, 4, 1)), (BLOCK_K, BLOCK_N))
-        else:
-            words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)  # [BLOCK_N, WORDS]
-            scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
-            q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
-            w = (q.to(tl.float32) * scale.to(tl.float32)[:, :, None]).to(DTYPE)  # rounded to nearest, as torch
-            tile = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
+        mask = col_ok[:, None] & (word * 8 < depth)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    if UNPACK == "pairs" or UNPACK == "pairs_plain":  # loaded [WORDS, BLOCK_N]: joined in the tile's order
+        t_mask = tl.trans(mask)
+        t_words = tl.load(packed_ptr + tl.trans(rows) * stride_pn + word[:, None], mask=t_mask, other=0)
+        t_scale = tl.load(scale_ptr + tl.trans(rows) * stride_sn + (word * 8 // GROUP)[:, None], mask=t_mask,
+                          other=0.0)
+        values = _pairs(t_words, t_scale, UNPACK == "pairs")  # [WORDS, BLOCK_N, 2, 2, 2]
+        tile = tl.reshape(tl.permute(values, (0, 2, 3, 4, 1)), (BLOCK_K, BLOCK_N))
+    else:
+        words = tl.load(packed_ptr + rows * stride_pn + word[None, :], mask=mask, other=0)  # [BLOCK_N, WORDS]
+        scale = tl.load(scale_ptr + rows * stride_sn + (word * 8 // GROUP)[None, :], mask=mask, other=0.0)
+        q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8  # [BLOCK_N, WORDS, 8]
+        w = (q.to(tl.float32) * scale.to(tl.float32)[:, :, None]).to(DTYPE)  # rounded to nearest, as torch rounds
+        tile = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
     return tile

@@ -24,7 +24,7 @@ INT4_TILES = (32, 128)
 INT4_ROWS_MAX = 4
 INT4_ROWS_TILES = (16, 256)
 INT4_ROWS_WARPS = 2
-# How the tl.dot path unpacks INT4 tiles: "word", "element" or "pairs" (int4_tiles.py; int4_unpack
+# How the tl.dot path unpacks INT4 tiles: "word" or "pairs" (int4_tiles.py; int4_unpack
 # says what runs). Pairs ran faster than word at 544 rows on an H100, and than the row kernels at
 # 1 to 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md, -unpack-).
 INT4_UNPACK = "pairs"
@@ -56,8 +56,8 @@ def int4_row_kernels(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4)
 def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> str:
     """INT4_UNPACK where it can run: "pairs" needs bf16 activations and scales ("word" otherwise),
     and its inline PTX sm_90 ("pairs_plain", the same tile in plain Triton, otherwise)."""
-    if INT4_UNPACK not in ("word", "element", "pairs"):
-        raise ValueError(f"INT4_UNPACK must be 'word', 'element' or 'pairs', got {INT4_UNPACK!r}")
+    if INT4_UNPACK not in ("word", "pairs"):
+        raise ValueError(f"INT4_UNPACK must be 'word' or 'pairs', got {INT4_UNPACK!r}")
     if INT4_UNPACK != "pairs":
         return INT4_UNPACK
     if not x.dtype == w_gate_up.scale.dtype == w_down.scale.dtype == torch.bfloat16:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ddtree.tree import topk_logprobs
-from ddtree.tree.topk_triton import topk_logprobs_triton
+from ddtree.tree.topk_triton import MAX_K, topk_logprobs_triton
 
 from .helpers import make_logits
 
@@ -35,18 +35,38 @@ def test_reference_backend_matches_specification(dtype, kind):
         torch.testing.assert_close(lp.double(), want_lp, rtol=0, atol=2e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ["bf16", "integer", "equal", "duplicated", "peaked"])
-def test_triton_backend_matches_reference(dtype, kind, kernel_device):
+@pytest.mark.parametrize("kind,dtype", [(kind, torch.bfloat16) for kind in ("bf16", "integer", "equal", "duplicated", "peaked")]
+                         + [("bf16", torch.float32), ("duplicated", torch.float16)])
+def test_triton_backend_matches_reference(kind, dtype, kernel_device):
     gen = torch.Generator().manual_seed(1)
-    logits = make_logits(kind, 2, 2, 3000, gen).to(dtype)  # > one 2048-wide block per row
-    for k in (1, 64, 300):
+    logits = make_logits(kind, 2, 2, 300, gen).to(dtype)
+    for k in (1, 13, 64):
         want_lp, want_tok = topk_logprobs(logits, k, backend="reference")
-        runs = [topk_logprobs(logits.to(kernel_device), k, backend="triton")]
-        runs.append(topk_logprobs_triton(logits.to(kernel_device), k, chunk=256))  # 12 chunks a row
+        runs = [topk_logprobs(logits.to(kernel_device), k, backend="triton")]  # one chunk a row
+        runs.append(topk_logprobs_triton(logits.to(kernel_device), k, chunk=64))  # 5 chunks, the last part padding
         for lp, tok in runs:
             assert torch.equal(tok.cpu(), want_tok), f"{kind} {dtype} k={k}"
             torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=4e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["bf16", "duplicated", "peaked"])
+def test_triton_backend_at_a_drafters_shape(kind):
+    """Moonlight's vocabulary (40 chunks a row) at k up to MAX_K, merged in groups."""
+    gen = torch.Generator().manual_seed(3)
+    logits = make_logits(kind, 2, 15, 163840, gen).bfloat16()
+    for k in (16, 100, MAX_K):
+        want_lp, want_tok = topk_logprobs(logits, k, backend="reference")
+        lp, tok = topk_logprobs(logits.cuda(), k, backend="triton")
+        assert torch.equal(tok.cpu(), want_tok), f"{kind} k={k}"
+        torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=4e-6)
+
+
+def test_triton_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match=f"k <= {MAX_K}"):
+        topk_logprobs(torch.zeros(1, 1, MAX_K + 1), MAX_K + 1, backend="triton")
+    with pytest.raises(ValueError, match="power-of-two chunk"):
+        topk_logprobs_triton(torch.zeros(1, 1, 100), 20, chunk=16)
 
 
 def test_negative_zero_ties_with_zero():
@@ -87,14 +107,14 @@ def test_bad_backend():
 
 def test_minus_inf_logits_tie_in_token_order(kernel_device):
     # A row with few finite logits: the rest tie at -inf and must come in token order.
-    logits = torch.full((1, 2, 3000), float("-inf"))
+    logits = torch.full((1, 2, 600), float("-inf"))
     logits[0, 0, 5] = 1.0
     logits[0, 1, :3] = 0.0
-    logits[0, 1, 2900] = 0.0  # in the last of several chunks below
-    want = [[[5, 0, 1, 2, 3, 4, 6, 7, 8, 9], [0, 1, 2, 2900, 3, 4, 5, 6, 7, 8]]]
+    logits[0, 1, 590] = 0.0  # in the last of several chunks below
+    want = [[[5, 0, 1, 2, 3, 4, 6, 7, 8, 9], [0, 1, 2, 590, 3, 4, 5, 6, 7, 8]]]
     runs = [topk_logprobs(logits, 10, backend="reference"),
             topk_logprobs(logits.to(kernel_device), 10, backend="triton"),
-            topk_logprobs_triton(logits.to(kernel_device), 10, chunk=512)]
+            topk_logprobs_triton(logits.to(kernel_device), 10, chunk=128)]  # 5 chunks
     for lp, tok in runs:
         assert tok.tolist() == want
         assert lp[0, 0, 0].item() == 0.0 and lp[0, 1, 0].item() == pytest.approx(-1.3862944, abs=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.launch import require_kernel_device
+from .topk_triton import MAX_K, topk_logprobs_triton
 
 _FLIP_MAGNITUDE = 0x7FFFFFFF  # flips every bit but the sign of a float32's bit pattern
 
@@ -28,8 +29,9 @@ def topk_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> tup
     """The k best tokens of every row and their log-softmax values.
 
     logits: [B, D, V], any float dtype. k: 1 <= k <= V.
-    backend: "reference" (packed sort keys + torch.topk, any device), "triton" (torch.topk values
-             + one Triton pass, fp16 / bf16 / fp32 on CUDA), "auto" (triton where it applies).
+    backend: "reference" (packed sort keys + torch.topk, any device), "triton" (the same keys in
+             two Triton launches: fp16 / bf16 / fp32, k <= topk_triton.MAX_K), "auto" (triton on
+             CUDA where it applies).
     Returns logprobs float32 [B, D, k] and tokens int64 [B, D, k], ordered by logit descending,
     equal logits by smaller token id first (a bare torch.topk leaves that order unspecified).
     Both backends pick the same tokens; log-probs agree to float32 rounding of the normalizer.
@@ -44,13 +46,12 @@ def topk_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> tup
         raise ValueError(f"k must be an int in [1, V={vocab}], got {k!r}")
     if backend not in ("auto", "reference", "triton"):
         raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
-    narrow = logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    if backend == "triton" and not narrow:
-        raise ValueError(f"the triton top-k takes fp16 / bf16 / fp32 logits, got {logits.dtype}")
-    if backend == "triton" or (backend == "auto" and narrow and logits.is_cuda):
+    fits = logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and k <= MAX_K
+    if backend == "triton" and not fits:
+        raise ValueError(f"the triton top-k takes fp16 / bf16 / fp32 logits and k <= {MAX_K}, got {logits.dtype} "
+                         f"and k={k}")
+    if backend == "triton" or (backend == "auto" and fits and logits.is_cuda):
         require_kernel_device(logits.device, "backend='triton'")
-        from .topk_triton import topk_logprobs_triton
-
         return topk_logprobs_triton(logits, k)
     return topk_logprobs_reference(logits, k)
 

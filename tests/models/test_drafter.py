@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 from ddtree.models import Drafter, DrafterConfig, load_drafter, load_target  # noqa: E402
 from ddtree.models import layers as joint  # noqa: E402
+from ddtree.ops import KernelPolicy, apply_policy  # noqa: E402
 
 from .checkpoints import save_tiny, tiny_config  # noqa: E402
 
@@ -101,11 +102,13 @@ def test_load_and_pair_checks(tmp_path):
     assert loaded.fc.weight.dtype == torch.float32 and loaded.fc.weight.device == target.lm_head.weight.device
     for k, v in m.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
-    for layer in loaded.layers:  # the loader joined every MLP's gate and up weights
-        assert joint.joint_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is None  # autograd on: two GEMMs
-        with torch.no_grad():
-            assert joint.joint_weight(layer.mlp.gate_proj, layer.mlp.up_proj) is not None
-    with torch.no_grad():  # one GEMM (loaded) against two (m): same drafted hidden states
+    for layer in loaded.layers:  # the loader joined every MLP's gate and up weights and q, k, v
+        attn = layer.self_attn
+        for parts in [(layer.mlp.gate_proj, layer.mlp.up_proj), (attn.q_proj, attn.k_proj, attn.v_proj)]:
+            assert joint.joint_weight(*parts) is None  # autograd on: one GEMM each
+            with torch.no_grad():
+                assert joint.joint_weight(*parts) is not None
+    with torch.no_grad():  # one GEMM (loaded) against one each (m): same drafted hidden states
         feats, block = torch.randn(1, 5, 128), torch.randn(1, 4, 64)
         got, want = (d(block, _context(d, feats)) for d in (loaded, m))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -160,6 +163,24 @@ def test_draft_logits_put_the_bonus_in_slot_0(tmp_path):
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
     moved = m.draft_logits(target, torch.tensor([17, 5]), cache)  # the bonus matters
     assert not torch.allclose(moved[0], got[0])
+
+
+@torch.no_grad()
+def test_kernel_path_matches_restatement(kernel_device):
+    """Joined projections through the few-row GEMM (ops/gemm.py) and the norms' kernels, residual
+    adds inside them: the same drafted hidden states as the float64 restatement."""
+    ref, m = _random_drafter(seed=6), _random_drafter(seed=6)
+    m.fuse_input_projections()
+    apply_policy(m, KernelPolicy("kernels"))
+    m = m.to(kernel_device)
+    gen = torch.Generator().manual_seed(7)
+    feats = torch.randn(2, 5, 128, generator=gen)
+    cache = m.new_cache(2, 16)
+    m.append_context(cache, feats.to(kernel_device), torch.tensor([5, 3], device=kernel_device))
+    block = torch.randn(2, 4, 64, generator=gen)
+    got = m(block.to(kernel_device), cache).cpu()
+    for r, held in enumerate([5, 3]):
+        torch.testing.assert_close(got[r].double(), dflash_reference(ref, feats[r, :held], block[r]), rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.gemm import linear as few_row_linear
 from ..ops.policy import KernelPolicy
 from .config import from_config_file
-from .layers import MLP, RMSNorm
+from .layers import MLP, RMSNorm, apply_linear, join, project, rotary_cos_sin, rotate
 
 
 def reference_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
@@ -90,14 +92,19 @@ class DrafterConfig:
         return from_config_file(path, cls.from_dict, "a DFlash drafter's config")
 
 
+def rope_tables(positions: torch.Tensor, cfg: DrafterConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's default rope: cos and sin [..., T, head_dim / 2] in dtype at positions [..., T]; a pass
+    computes them once for all its layers."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
+    return rotary_cos_sin(positions, inv_freq, 1.0, dtype)
+
+
 def rotate_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Qwen3's default rope on x [B, T, heads, dim] at positions [B, T]."""
+    """Qwen3's default rope on x [B, T, heads, dim] at positions [B, T] (tables and rotation at once)."""
     dim = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)
-    angles = positions[..., None].float() * inv_freq
-    cos, sin = angles.cos().to(x.dtype)[..., None, :], angles.sin().to(x.dtype)[..., None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return rotate(x, *rotary_cos_sin(positions, inv_freq, 1.0, x.dtype), interleave=False)
 
 
 @dataclass
@@ -132,16 +139,20 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, policy)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, policy)
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> rotated keys and values [B, T, kv_heads, head_dim]."""
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, rope=None,
+                   linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> rotated keys and values [B, T, kv_heads, head_dim], at positions [B, T]
+        or by rope (rope_tables' cos and sin for them)."""
         shape = (*x.shape[:2], self.cfg.num_key_value_heads, self.cfg.head_dim)
-        k = rotate_half(self.k_norm(self.k_proj(x).view(shape)), positions, self.cfg.rope_theta)
-        return k, self.v_proj(x).view(shape)
+        k, v = project((self.k_proj, self.v_proj), x, linear)
+        rope = rope or rope_tables(positions, self.cfg, x.dtype)
+        return rotate(self.k_norm(k.view(shape)), *rope, interleave=False), v.view(shape)
 
-    def forward(self, x, positions, k_cache, v_cache, ctx_len, key_limit: int | None = None) -> torch.Tensor:
-        """Block x [B, S, hidden] at sequence positions [B, S] attends, non-causally, to the first
-        ctx_len [B] context entries of k_cache / v_cache [B, capacity, kv_heads, head_dim] and to
-        itself.
+    def forward(self, x, rope, k_cache, v_cache, ctx_len, key_limit: int | None = None, linear=F.linear) -> torch.Tensor:
+        """Block x [B, S, hidden], rotated by rope (rope_tables at its positions [B, S]), attends,
+        non-causally, to the first ctx_len [B] context entries of k_cache / v_cache
+        [B, capacity, kv_heads, head_dim] and to itself. `linear(x, weight)` computes the
+        projections (layers.project).
 
         The block's own keys and values are written into the cache right after the context
         (slots ctx_len .. ctx_len + S - 1, which the next append_context overwrites), so attention
@@ -150,20 +161,25 @@ class DrafterAttention(nn.Module):
         """
         cfg = self.cfg
         b, s, _ = x.shape
-        q = rotate_half(self.q_norm(self.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim)), positions, cfg.rope_theta)
-        k_blk, v_blk = self.project_kv(x, positions)
+        heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, k_blk, v_blk = project((self.q_proj, self.k_proj, self.v_proj), x, linear)
+        q = rotate(self.q_norm(q.view(b, s, heads, d)), *rope, interleave=False)
+        k_blk = rotate(self.k_norm(k_blk.view(b, s, kv_heads, d)), *rope, interleave=False)
         rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
         slots = ctx_len[:, None] + torch.arange(s, device=x.device)
         k_cache[rows, slots] = k_blk.to(k_cache.dtype)
-        v_cache[rows, slots] = v_blk.to(v_cache.dtype)
+        v_cache[rows, slots] = v_blk.view(b, s, kv_heads, d).to(v_cache.dtype)
         limit = k_cache.shape[1] if key_limit is None else key_limit
         k, v = k_cache[:, :limit].transpose(1, 2), v_cache[:, :limit].transpose(1, 2)  # views, no copy
         seen = torch.arange(limit, device=x.device)[None, :] < (ctx_len + s)[:, None]  # context + whole block
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=seen[:, None, None, :], scale=cfg.head_dim**-0.5,
-            enable_gqa=cfg.num_key_value_heads != cfg.num_attention_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        # Grouped heads without repeating the keys: which keys a query sees does not depend on the
+        # query (non-causal), so the query heads of one key head are rows of one attention
+        group = heads // kv_heads
+        q = q.view(b, s, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * s, d)
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=seen[:, None, None, :],
+                                             scale=d**-0.5)
+        out = out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
+        return apply_linear(self.o_proj, out, linear)
 
 
 class DrafterLayer(nn.Module):
@@ -176,21 +192,33 @@ class DrafterLayer(nn.Module):
 
 
 class Drafter(nn.Module):
-    """policy: its norms' kernel policy (ops/policy.py)."""
+    """policy: its kernel policy (ops/policy.py): its norms' path and, on the kernel path, the
+    few-row GEMM (ops/gemm.py) for passes of at most policy.gemm_max_rows rows."""
 
     def __init__(self, cfg: DrafterConfig, policy: KernelPolicy = KernelPolicy()):
         super().__init__()
         self.cfg = cfg
+        self.policy = policy
         self.layers = nn.ModuleList(DrafterLayer(cfg, policy) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, policy)
 
     def fuse_input_projections(self) -> None:
-        """Every layer's MLP gate and up weights in one buffer (MLP.fuse_input_projections), so
-        inference reads its input with one GEMM; load_drafter calls it before any weight is copied in."""
+        """Every layer's q, k and v weights in one buffer and its MLP's gate and up in another
+        (layers.join), so inference reads each input with one GEMM; load_drafter calls it before
+        any weight is copied in."""
         for layer in self.layers:
+            attn = layer.self_attn
+            join(attn.q_proj, attn.k_proj, attn.v_proj)
             layer.mlp.fuse_input_projections()
+
+    def _linear(self, x: torch.Tensor):
+        """The GEMM for a pass over x: ops/gemm.linear on the kernel path (the few-row kernel up to
+        policy.gemm_max_rows rows, cuBLAS above), else F.linear."""
+        if not self.policy.kernel("drafter GEMM", x, self.fc.weight):
+            return F.linear
+        return partial(few_row_linear, max_rows=self.policy.gemm_max_rows, pdl=self.policy.pdl)
 
     def new_cache(self, batch: int, capacity: int, device=None, dtype=None) -> DrafterCache:
         w = self.fc.weight
@@ -214,12 +242,14 @@ class Drafter(nn.Module):
         lengths = cache.lengths[rows]
         if check and int(lengths.max()) + c > cache.keys[0].shape[1]:
             raise ValueError(f"drafter cache capacity {cache.keys[0].shape[1]} exceeded")
-        ctx = self.hidden_norm(self.fc(features))
+        linear = self._linear(features)
+        ctx = self.hidden_norm(apply_linear(self.fc, features, linear))
         steps = torch.arange(c, device=features.device)
         slots, positions = lengths[:, None] + steps, cache.next_positions(rows)[:, None] + steps
+        rope = rope_tables(positions, self.cfg, ctx.dtype)
         row_index = rows[:, None].expand(b, c)
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
-            k, v = layer.self_attn.project_kv(ctx, positions)
+            k, v = layer.self_attn.project_kv(ctx, rope=rope, linear=linear)
             k_cache[row_index, slots] = k.to(k_cache.dtype)
             v_cache[row_index, slots] = v.to(v_cache.dtype)
         cache.lengths.index_add_(0, rows, counts.long())
@@ -232,11 +262,15 @@ class Drafter(nn.Module):
         The cache needs block_size free slots past each request's context (DrafterAttention.forward);
         key_limit: optional bound on max(lengths) + block_size, to read fewer keys."""
         positions = cache.next_positions()[:, None] + torch.arange(block_embeds.shape[1], device=block_embeds.device)
-        x = block_embeds
-        for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
-            x = x + layer.self_attn(layer.input_layernorm(x), positions, k_cache, v_cache, cache.lengths, key_limit)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+        rope = rope_tables(positions, self.cfg, block_embeds.dtype)
+        linear = self._linear(block_embeds)
+        x, h = block_embeds, self.layers[0].input_layernorm(block_embeds)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, k_cache, v_cache, next_norm in zip(self.layers, cache.keys, cache.values, norms):
+            x, h = layer.post_attention_layernorm(x, layer.self_attn(h, rope, k_cache, v_cache, cache.lengths, key_limit,
+                                                                     linear))
+            x, h = next_norm(x, layer.mlp(h, linear))  # each residual add in its norm's launch
+        return h
 
     def draft_logits(self, target, bonus: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:
         """bonus int64 [B] (each request's carried-over token) -> float32 [B, block_size - 1, vocab]:

@@ -25,44 +25,62 @@ from ..ops.router import fused_route, route_reference
 from ..parallel.shard import SINGLE, Shard
 from .config import TargetConfig
 
-# -- two projections of one input in one buffer ------------------------------------------------
+# -- projections of one input in one buffer --------------------------------------------------
 # Parameter names, shapes and state_dict stay as they were: each weight is a view of the joint
-# buffer. A later .to() or reassignment splits them again, and the caller falls back to two GEMMs.
+# buffer. A later .to() or reassignment splits them again, and the caller falls back to one GEMM each.
 
-def join(first: nn.Linear, second: nn.Linear) -> None:
-    """Move both weights ([out_1, in], [out_2, in]) into one [out_1 + out_2, in] buffer, values kept."""
-    joint = torch.cat([first.weight.detach(), second.weight.detach()])
-    first.weight = nn.Parameter(joint[: first.weight.shape[0]], requires_grad=first.weight.requires_grad)
-    second.weight = nn.Parameter(joint[first.weight.shape[0] :], requires_grad=second.weight.requires_grad)
+def join(*linears: nn.Linear) -> None:
+    """Move the weights ([out_i, in] each) into one [sum out_i, in] buffer, values kept."""
+    joint = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(joint[start : start + rows], requires_grad=linear.weight.requires_grad)
+        start += rows
 
 
-def joint_weight(first: nn.Linear, second: nn.Linear) -> torch.Tensor | None:
-    """[out_1 + out_2, in]: both weights as one view when they are adjacent in memory (join) and no
-    gradient is wanted (the view would feed only one of them); else None."""
-    a, b = first.weight, second.weight
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+def joint_weight(*linears: nn.Linear) -> torch.Tensor | None:
+    """[sum out_i, in]: the weights as one view when they are adjacent in memory (join), bias-free
+    and no gradient is wanted (the view would feed only one of them); else None."""
+    weights = [linear.weight for linear in linears]
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return None
-    if a.dtype != b.dtype or a.device != b.device or not (a.is_contiguous() and b.is_contiguous()):
+    if any(linear.bias is not None for linear in linears):
         return None
-    if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+    first = weights[0]
+    if any(w.dtype != first.dtype or w.device != first.device or not w.is_contiguous() for w in weights):
         return None
-    # Adjacent is not enough: two separate allocations can sit back to back (the CUDA caching
-    # allocator did so on the H200 after a .to()); the view must stay inside one storage.
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return None
-    return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), (a.shape[1], 1))
+    for a, b in zip(weights, weights[1:]):
+        if b.data_ptr() != a.data_ptr() + a.numel() * a.element_size():
+            return None
+        # Adjacent is not enough: two separate allocations can sit back to back (the CUDA caching
+        # allocator did so on the H200 after a .to()); the view must stay inside one storage.
+        if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+            return None
+    rows = sum(w.shape[0] for w in weights)
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+
+
+def project(linears: tuple[nn.Linear, ...], x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, ...]:
+    """(l(x) for l in linears) for x [..., in]: one GEMM over the joint view when there is one.
+    `linear(x, weight)` computes it (ops/gemm.linear on a decode step's kernel path; it reads the
+    weights only: projections with a bias take their modules)."""
+    joint = joint_weight(*linears)
+    if joint is None:  # the modules themselves, unless another GEMM was asked for
+        if linear is F.linear or any(m.bias is not None for m in linears):
+            return tuple(m(x) for m in linears)
+        return tuple(linear(x, m.weight) for m in linears)
+    return linear(x, joint).split([m.weight.shape[0] for m in linears], dim=-1)
+
+
+def apply_linear(module: nn.Linear, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+    """module(x), by `linear(x, weight)` where one is asked and the module has no bias."""
+    return module(x) if linear is F.linear or module.bias is not None else linear(x, module.weight)
 
 
 def both(first: nn.Linear, second: nn.Linear, x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first(x), second(x)) for x [..., in]: one GEMM over the joint view when there is one.
-    `linear(x, weight)` computes it (ops/gemm.linear on a decode step's kernel path; it reads the
-    weights only, so it is for bias-free projections)."""
-    joint = joint_weight(first, second)
-    if joint is None:  # the modules themselves, unless another GEMM was asked for
-        if linear is F.linear:
-            return first(x), second(x)
-        return linear(x, first.weight), linear(x, second.weight)
-    return linear(x, joint).split([first.weight.shape[0], second.weight.shape[0]], dim=-1)
+    """(first(x), second(x)): project() of two."""
+    return project((first, second), x, linear)
 
 
 # -- rotary embedding (YaRN) and MLA's softmax scale --------------------------------------------
@@ -187,9 +205,10 @@ class MLP(nn.Module):
         """gate_proj and up_proj in one buffer (join): one GEMM reads the input."""
         join(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = both(self.gate_proj, self.up_proj, x)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        """x [..., hidden] -> [..., hidden]; `linear(x, weight)` computes the GEMMs (project())."""
+        gate, up = both(self.gate_proj, self.up_proj, x, linear)
+        return apply_linear(self.down_proj, F.silu(gate) * up, linear)
 
 
 class Router(nn.Module):

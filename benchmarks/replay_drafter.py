@@ -62,7 +62,8 @@ class ReplayDrafter(OracleDrafter):
         self.ranks.copy_(torch.full_like(self.recorded_ranks, -1) if value else self.recorded_ranks)
 
     def draft_logits(self, target, bonus: torch.Tensor, cache, key_limit: int | None = None) -> torch.Tensor:
-        """As Drafter.draft_logits (float32 [B, D, V]), with the replayed distributions."""
+        """As Drafter.draft_logits, with the replayed distributions (float32 [B, D, V]: replayed
+        log-probs are not values of the model's dtype)."""
         logits = self.inner.draft_logits(target, bonus, cache, key_limit)
         b, depth, vocab = logits.shape
         k = self.logprobs.shape[2]

@@ -15,9 +15,9 @@ from ddtree.models.layers import MoE
 
 FORMULAS = {
     "draft": "bytes = e*(drafter layers + final norm + lm_head V*H) + e*B*S*H (embedding rows) "
-             "+ e*Ld*B*(P+S)*2*kvh*hd (context + block keys/values); "
+             "+ e*Ld*B*(P+S)*2*kvh*hd (context + block keys/values) + e*B*D*V (the logits written); "
              "FLOPs = 2*B*S*(drafter layer params) + 2*B*D*H*V + 4*Ld*B*S*(P+S)*nh*hd",
-    "topk": "bytes = 4*B*D*V (the float32 draft logits); FLOPs = 0",
+    "topk": "bytes = e*B*D*V (the draft logits, in the model's dtype); FLOPs = 0",
     "build": "bytes = B*D*K*(4+8) (top-k log-probs, tokens) + 3*8*B*n + 8*B*N*ceil(N/64) (tree out); FLOPs = 0",
     "verify": "bytes = e*(dense params: every weight but the embedding and the routed experts, lm_head included) "
               "+ (bytes per routed expert: e*3*H*I_moe, or INT4's packed words and scales)*(distinct routed experts "
@@ -107,7 +107,7 @@ def stage_floors(cfg, dcfg, counts: ModelCounts, batch: int, budget: int, prefix
         kv = 2 * dcfg.num_key_value_heads * dcfg.head_dim
         attn = dcfg.num_attention_heads * dcfg.head_dim
         draft_bytes = e * (counts.draft_weights + vocab * hidden) + e * batch * block * hidden
-        draft_bytes += e * dcfg.num_hidden_layers * batch * (prefix + block) * kv
+        draft_bytes += e * dcfg.num_hidden_layers * batch * (prefix + block) * kv + e * batch * depth * vocab
         draft_flops = 2 * batch * block * counts.draft_weights + 2 * batch * depth * hidden * vocab
         draft_flops += 4 * dcfg.num_hidden_layers * batch * block * (prefix + block) * attn
         k = min(budget, vocab)
@@ -115,7 +115,7 @@ def stage_floors(cfg, dcfg, counts: ModelCounts, batch: int, budget: int, prefix
         commit_bytes = 2 * e * layers * batch * depth * width + e * counts.context_weights
         commit_bytes += e * batch * (depth + 1) * features + e * dcfg.num_hidden_layers * batch * (depth + 1) * kv
         out = {"draft": _floor(draft_bytes, draft_flops, ceilings),
-               "topk": _floor(4 * batch * depth * vocab, 0, ceilings),
+               "topk": _floor(e * batch * depth * vocab, 0, ceilings),
                "build": _floor(batch * depth * k * 12 + 24 * batch * budget + 8 * batch * rows * -(-rows // 64), 0,
                                ceilings),
                **out,

@@ -273,13 +273,14 @@ class Drafter(nn.Module):
         return h
 
     def draft_logits(self, target, bonus: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:
-        """bonus int64 [B] (each request's carried-over token) -> float32 [B, block_size - 1, vocab]:
-        the block [bonus, mask x (block_size - 1)] embedded by the target, the bonus in slot 0, and
-        the target's lm_head over slots 1.., which predict the next block_size - 1 tokens."""
+        """bonus int64 [B] (each request's carried-over token) -> logits [B, block_size - 1, vocab] in
+        the target's lm_head dtype (what top-k reads: no float32 copy): the block [bonus,
+        mask x (block_size - 1)] embedded by the target, the bonus in slot 0, and the target's
+        lm_head over slots 1.., which predict the next block_size - 1 tokens."""
         block = torch.full((bonus.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
         block[:, 0] = bonus
         hidden = self(target.embed(block), cache, key_limit)
-        return target.logits_of(hidden[:, 1:])
+        return target.logits_of(hidden[:, 1:], float32=False)
 
 
 def check_pair(target_cfg, drafter_cfg: DrafterConfig) -> None:

@@ -208,10 +208,12 @@ class Target(nn.Module):
         rows = self.embed_tokens(torch.where(mine, local, 0)) * mine[..., None]
         return self.shard.all_reduce(rows)
 
-    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [..., vocab] of normed hidden states [..., hidden]: the ranks' vocabulary
-        rows gathered."""
-        return self.shard.all_gather(self.lm_head(hidden).float())
+    def logits_of(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits [..., vocab] of normed hidden states [..., hidden], the ranks' vocabulary rows
+        gathered: float32, or (float32=False) lm_head's own dtype, whose float32 copy holds the same
+        values."""
+        logits = self.lm_head(hidden)
+        return self.shard.all_gather(logits.float() if float32 else logits)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()

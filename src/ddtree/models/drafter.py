@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gemm import linear as few_row_linear
+from ..ops.launch import DTYPES as KERNEL_DTYPES
 from ..ops.policy import KernelPolicy
+from ..ops.qk_norm_rope import qk_norm_rope
 from .config import from_config_file
 from .layers import MLP, RMSNorm, apply_linear, join, project, rotary_cos_sin, rotate
 
@@ -146,7 +148,24 @@ class DrafterAttention(nn.Module):
         shape = (*x.shape[:2], self.cfg.num_key_value_heads, self.cfg.head_dim)
         k, v = project((self.k_proj, self.v_proj), x, linear)
         rope = rope or rope_tables(positions, self.cfg, x.dtype)
-        return rotate(self.k_norm(k.view(shape)), *rope, interleave=False), v.view(shape)
+        return self._norm_rope(None, k.view(shape), rope)[1], v.view(shape)
+
+    def _norm_rope(self, q: torch.Tensor | None, k: torch.Tensor, rope) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """q_norm and rope on q [B, T, heads, d] (or None), k_norm and rope on k [B, T, kv_heads, d]:
+        one launch (ops/qk_norm_rope.py) on the kernel path, in place where q and k are adjacent
+        columns of one GEMM's output; else the layers op by op."""
+        policy = self.k_norm.policy
+        if not policy.kernel("RMSNorm", k, self.k_norm.weight) or (policy.automatic and k.dtype not in KERNEL_DTYPES):
+            return (None if q is None else rotate(self.q_norm(q), *rope, interleave=False),
+                    rotate(self.k_norm(k), *rope, interleave=False))
+        weights = (self.k_norm.weight, self.k_norm.weight) if q is None else (self.q_norm.weight, self.k_norm.weight)
+        qk = k if q is None else _adjacent(q, k)
+        split = 0 if q is None else q.shape[-2]
+        if qk is None:  # separate buffers: one launch each
+            return (qk_norm_rope(q, weights, split, *rope, self.q_norm.eps, pdl=policy.pdl),
+                    qk_norm_rope(k, weights, 0, *rope, self.k_norm.eps, pdl=policy.pdl))
+        out = qk_norm_rope(qk, weights, split, *rope, self.k_norm.eps, out=qk if q is not None else None, pdl=policy.pdl)
+        return (None, out) if q is None else (out[..., :split, :], out[..., split:, :])
 
     def forward(self, x, rope, k_cache, v_cache, ctx_len, key_limit: int | None = None, linear=F.linear) -> torch.Tensor:
         """Block x [B, S, hidden], rotated by rope (rope_tables at its positions [B, S]), attends,
@@ -163,8 +182,7 @@ class DrafterAttention(nn.Module):
         b, s, _ = x.shape
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q, k_blk, v_blk = project((self.q_proj, self.k_proj, self.v_proj), x, linear)
-        q = rotate(self.q_norm(q.view(b, s, heads, d)), *rope, interleave=False)
-        k_blk = rotate(self.k_norm(k_blk.view(b, s, kv_heads, d)), *rope, interleave=False)
+        q, k_blk = self._norm_rope(q.view(b, s, heads, d), k_blk.view(b, s, kv_heads, d), rope)
         rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
         slots = ctx_len[:, None] + torch.arange(s, device=x.device)
         k_cache[rows, slots] = k_blk.to(k_cache.dtype)
@@ -180,6 +198,16 @@ class DrafterAttention(nn.Module):
                                              scale=d**-0.5)
         out = out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
         return apply_linear(self.o_proj, out, linear)
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [..., Hq, d] and k [..., Hk, d] as one [..., Hq + Hk, d] view when k's heads follow q's in
+    memory with the same strides (split columns of one GEMM's output), else None."""
+    if q.stride() != k.stride() or q.dtype != k.dtype or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[-2] * q.stride(-2) * q.element_size():
+        return None
+    return q.as_strided((*q.shape[:-2], q.shape[-2] + k.shape[-2], q.shape[-1]), q.stride())
 
 
 class DrafterLayer(nn.Module):

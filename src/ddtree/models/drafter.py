@@ -308,7 +308,10 @@ class Drafter(nn.Module):
         block = torch.full((bonus.shape[0], self.cfg.block_size), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
         block[:, 0] = bonus
         hidden = self(target.embed(block), cache, key_limit)
-        return target.logits_of(hidden[:, 1:], float32=False)
+        # As rows of one GEMM: cuBLAS took the strided [B, S - 1, hidden] slice as B batched GEMMs that
+        # each read the whole lm_head (B times its bytes: benchmarks/results/profile_round-*-b32-*)
+        rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
+        return target.logits_of(rows, float32=False).view(bonus.shape[0], self.cfg.block_size - 1, -1)
 
 
 def check_pair(target_cfg, drafter_cfg: DrafterConfig) -> None:

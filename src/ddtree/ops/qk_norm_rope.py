@@ -96,10 +96,10 @@ def qk_norm_rope(x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], sp
     for name, t in (("cos", cos), ("sin", sin)):
         if t.shape != want or t.dtype != x.dtype or t.device != x.device:
             raise ValueError(f"{name} must be {list(want)} {x.dtype}, got {t.dtype} {list(t.shape)} on {t.device}")
-    require_kernel_device(x.device, "qk_norm_rope")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be x's shape and dtype with unit stride over d, got {out.dtype} {list(out.shape)}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be x's shape, dtype and device with unit stride over d, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
     heads = x.shape[-2]
     tokens = x.reshape(-1, heads, d)  # a copy only where the tokens do not flatten: read-only
     try:
@@ -107,6 +107,7 @@ def qk_norm_rope(x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], sp
     except RuntimeError as error:
         raise ValueError(f"out's tokens must flatten without a copy, got strides {out.stride()}") from error
     cos2, sin2 = cos.reshape(-1, d // 2).contiguous(), sin.reshape(-1, d // 2).contiguous()
+    require_kernel_device(x.device, "qk_norm_rope")
     if tokens.shape[0] and heads:
         grid = (tokens.shape[0], triton.cdiv(heads, HEADS_PER_PROGRAM))
         _norm_rope_kernel[grid](

@@ -1,13 +1,13 @@
-"""The commit's moves (PyTorch's gather-then-scatter and ops/cache_moves.py's one launch) against
-the entry-by-entry reference, on shuffled pages, overlapping moves, paths of every length and
-inactive requests; nothing outside the moved slots changes."""
+"""The commit's moves (PyTorch's gather-then-scatter and ops/cache_moves.py's one launch, which
+finds the slots itself) against the entry-by-entry reference, on shuffled pages, overlapping moves,
+paths of every length and inactive requests; nothing outside the moved slots changes."""
 
 import sys
 
 import pytest
 import torch
 
-from ddtree.engine.commit import commit_reference, commit_slots, move_entries
+from ddtree.engine.commit import commit, commit_reference
 from ddtree.ops import KERNELS, REFERENCE, cache_moves
 from ddtree.tree import accept_paths, build_trees, topk_logprobs
 
@@ -54,8 +54,7 @@ def test_commit_matches_the_reference(policy, kernel_device):
         assert accept_len.max() >= 4, seed  # the steering reaches deep paths
         want = [c.clone() for c in caches]
         commit_reference(want, table, prefix, accepted, accept_len, active)
-        src, dst = commit_slots(table, prefix, accepted, accept_len, active, PAGE, scratch_page=caches[0].shape[0] - 1)
-        move_entries(caches, src, dst, accepted.shape[0], policy)
+        commit(caches, table, prefix, accepted, accept_len, active, PAGE, caches[0].shape[0] - 1, policy)
         for got, ref in zip(caches, want):
             assert torch.equal(got[:-1], ref[:-1]), seed  # every request page, untouched ones included
 
@@ -64,41 +63,55 @@ def test_commit_matches_the_reference(policy, kernel_device):
 def test_inactive_and_short_paths_move_nothing(policy, kernel_device):
     caches, table, prefix, accepted, accept_len, active = _case(7, kernel_device)
     before = [c.clone() for c in caches]
-    src, dst = commit_slots(table, prefix, accepted, torch.ones_like(accept_len), active, PAGE, caches[0].shape[0] - 1)
-    move_entries(caches, src, dst, accepted.shape[0], policy)
+    commit(caches, table, prefix, accepted, torch.ones_like(accept_len), active, PAGE, caches[0].shape[0] - 1, policy)
     for got, ref in zip(caches, before):
         assert torch.equal(got[:-1], ref[:-1])
 
 
-def test_the_one_launch_needs_one_tensors_views_and_whole_requests(kernel_device, monkeypatch):
+def test_the_one_launch_needs_one_tensors_views_and_named_inputs(kernel_device, monkeypatch):
     caches, table, prefix, accepted, accept_len, active = _case(3, kernel_device)
-    src, dst = commit_slots(table, prefix, accepted, accept_len, active, PAGE, caches[0].shape[0] - 1)
     apart = [c.clone() for c in caches]  # separate tensors: no layer stride
     assert cache_moves.layer_stride(caches) == caches[0].numel() and cache_moves.layer_stride(apart) is None
     flat = caches[0].new_zeros(4 * caches[0].numel())
     overlapping = [flat[i * 8: i * 8 + caches[0].numel()].view_as(caches[0]) for i in range(3)]
     assert cache_moves.layer_stride(overlapping) is None
     with pytest.raises(ValueError, match="views of one tensor"):
-        cache_moves.move_entries(apart, src, dst, accepted.shape[0])
-    with pytest.raises(ValueError, match=r"src and dst must be \[requests \* D\] for requests=4"):
-        cache_moves.move_entries(caches, src, dst, 4)
-    with pytest.raises(ValueError, match="contiguous int64"):
-        cache_moves.move_entries(caches, src.int(), dst.int(), accepted.shape[0])
+        cache_moves.commit_moves(apart, table, prefix, accepted, accept_len, active)
+    with pytest.raises(ValueError, match="prefix_lens must be torch.int32"):
+        cache_moves.commit_moves(caches, table, prefix.long(), accepted, accept_len, active)
+    with pytest.raises(ValueError, match="accept_len must be torch.int64 with 1 dims, 5 rows"):
+        cache_moves.commit_moves(caches, table, prefix, accepted, accept_len[:4], active)
     # the engine's commit keeps separate caches on the PyTorch path rather than refusing them
-    monkeypatch.setattr(cache_moves, "move_entries", lambda *a, **k: pytest.fail("one launch over separate caches"))
+    monkeypatch.setattr(cache_moves, "commit_moves", lambda *a, **k: pytest.fail("one launch over separate caches"))
     want = [c.clone() for c in apart]
     commit_reference(want, table, prefix, accepted, accept_len, active)
-    move_entries(apart, src, dst, accepted.shape[0], KERNELS)
+    commit(apart, table, prefix, accepted, accept_len, active, PAGE, caches[0].shape[0] - 1, KERNELS)
     for got, ref in zip(apart, want):
         assert torch.equal(got[:-1], ref[:-1])
 
 
+def test_a_page_missing_from_the_table_is_never_written(kernel_device):
+    """A path step whose page the table lacks (-1, which the engine never leaves there) moves
+    nothing rather than write through a wrong page."""
+    caches, table, prefix, accepted, accept_len, active = _case(4, kernel_device)
+    b = int(accept_len.argmax())
+    table[b] = -1
+    want = [c.clone() for c in caches]
+    keep = active.clone()
+    keep[b] = False
+    commit_reference(want, table, prefix, accepted, accept_len, keep)
+    cache_moves.commit_moves(caches, table, prefix, accepted, accept_len, active)
+    for got, ref in zip(caches, want):
+        assert torch.equal(got, ref)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Triton's CUDA toolchain ships for Linux")
-def test_the_move_kernel_compiles_for_sm90_and_waits_for_its_producer_first():
+def test_the_commit_kernel_compiles_for_sm90_and_waits_for_its_producer_first():
     from ..sm90_assembly import compiled_in_fresh_interpreter
 
     report = compiled_in_fresh_interpreter(
         "import json; from tests.ops.fused_moe_compile import compile_report; from ddtree.ops import cache_moves; "
-        "print(json.dumps(compile_report(cache_moves._move_kernel, dict(cache_ptr='*bf16', src_ptr='*i64', "
-        "dst_ptr='*i64'), dict(BLOCK_W=256), num_warps=4)))")
+        "print(json.dumps(compile_report(cache_moves._commit_kernel, dict(cache_ptr='*bf16', table_ptr='*i32', "
+        "prefix_ptr='*i32', accepted_ptr='*i64', accept_len_ptr='*i64', active_ptr='*i1'), dict(BLOCK_W=256), "
+        "num_warps=4, not_divisible=('depth', 'table_width', 'stride_table', 'stride_accepted'))))")
     assert report["spill_bytes"] == 0 and report["pdl_waits"] >= 1 and report["waits_first"], report

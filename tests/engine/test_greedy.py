@@ -127,12 +127,12 @@ def test_the_engine_commits_through_the_one_launch_move(pair, ar_outputs, kernel
 
     calls = []
 
-    def through_the_kernel(caches, src, dst, requests, policy):
+    def through_the_kernel(caches, *args):
         assert cache_moves.layer_stride(caches) is not None  # Target.new_cache's views
-        calls.append(requests)
-        commit.move_entries(caches, src, dst, requests, KERNELS)
+        calls.append(args[2].shape[0])
+        commit.commit(caches, *args[:-1], KERNELS)
 
-    monkeypatch.setattr(round_module, "move_entries", through_the_kernel)
+    monkeypatch.setattr(round_module, "commit", through_the_kernel)
     monkeypatch.setattr(cache_moves, "move_entries_reference", lambda *a: pytest.fail("the PyTorch moves ran"))
     target_dir, drafter_dir, _ = pair
     batch, want = ar_outputs

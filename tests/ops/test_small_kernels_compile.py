@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Tr
 def test_each_waits_for_its_producer_before_touching_memory():
     reports = compiled_in_fresh_interpreter(
         "import json; from tests.ops.small_kernels_compile import all_reports; print(json.dumps(all_reports()))")
-    assert set(reports) == {"rms_norm_delta", "rotary", "latent_entry", "merge_splits", "qk_norm_rope", "topk_chunks",
+    assert set(reports) == {"rms_norm_delta", "rotary", "latent_entry", "merge_splits", "drafter_qkv", "topk_chunks",
                             "topk_merge"}
     for name, report in reports.items():
         assert report["pdl_waits"] == 1 and report["waits_first"], (name, report)

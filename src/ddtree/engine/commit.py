@@ -4,7 +4,8 @@ Node i of a tree was verified at cache slot prefix + i, at rotary position prefi
 accepted path's k-th node (depth k) belongs at slot prefix + k, where its position already puts
 it. Sources and destinations overlap (node 3 may move to slot 2 while node 2 moves to 1): PyTorch's
 path gathers all moved entries of a layer before scattering any; the kernel (ops/cache_moves.py)
-takes each request's moves in path order, which never reads a slot already written.
+takes each request's moves in path order, which never reads a slot already written, and finds
+the slots itself.
 """
 
 from __future__ import annotations
@@ -32,14 +33,16 @@ def commit_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, accepted:
     return src.flatten(), dst.flatten()
 
 
-def move_entries(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, requests: int,
-                 policy: KernelPolicy) -> None:
-    """In every layer's cache [pages, page_size, W]: the entries at flat slots src moved to dst
-    (commit_slots' [requests * D] each): one launch for all layers where the policy takes kernels
-    and the caches are one tensor's views (ops/cache_moves.py), else per layer in PyTorch."""
-    if policy.kernel("commit", src) and cache_moves.layer_stride(caches) is not None:
-        cache_moves.move_entries(caches, src, dst, requests, policy.pdl)
+def commit(caches: list[torch.Tensor], block_table: torch.Tensor, prefix_lens: torch.Tensor, accepted: torch.Tensor,
+           accept_len: torch.Tensor, active: torch.Tensor, page_size: int, scratch_page: int,
+           policy: KernelPolicy) -> None:
+    """Move every layer's accepted entries (commit_slots' arguments; caches [pages, page_size, W]):
+    one launch for all layers, slots looked up inside it, where the policy takes kernels and the
+    caches are one tensor's views (ops/cache_moves.py); else commit_slots and per layer in PyTorch."""
+    if policy.kernel("commit", accepted) and cache_moves.layer_stride(caches) is not None:
+        cache_moves.commit_moves(caches, block_table, prefix_lens, accepted, accept_len, active, policy.pdl)
     else:
+        src, dst = commit_slots(block_table, prefix_lens, accepted, accept_len, active, page_size, scratch_page)
         cache_moves.move_entries_reference(caches, src, dst)
 
 

@@ -14,7 +14,7 @@ import torch
 from ..models.paged import ForwardMeta
 from ..tree import accept_paths, build_trees, topk_logprobs
 from .batch import BatchState
-from .commit import commit_slots, move_entries
+from .commit import commit
 from .sampling import choose_tokens
 from .timing import StageTimer
 
@@ -166,9 +166,8 @@ def _tree_round(ctx, state, plan, max_depth, timer):
     accepted, accept_len, new_bonus = accept_paths(trees, posterior)
     accept_len = accept_len * active
     timer.mark("accept")
-    src, dst = commit_slots(state.block_table[s], state.prefix_lens[s], accepted, accept_len, active,
-                            ctx.page_size, ctx.scratch_page)
-    move_entries(ctx.caches, src, dst, plan.bucket, ctx.target.norm.policy)  # the model's kernel policy
+    commit(ctx.caches, state.block_table[s], state.prefix_lens[s], accepted, accept_len, active, ctx.page_size,
+           ctx.scratch_page, ctx.target.norm.policy)  # the model's kernel policy
     rows = accepted.clamp_min(0)
     features = torch.cat(hidden, -1)
     features = features.gather(1, rows[..., None].expand(-1, -1, features.shape[-1]))

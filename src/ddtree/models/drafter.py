@@ -21,7 +21,7 @@ from torch import nn
 from ..ops.gemm import linear as few_row_linear
 from ..ops.launch import DTYPES as KERNEL_DTYPES
 from ..ops.policy import KernelPolicy
-from ..ops.qk_norm_rope import qk_norm_rope
+from ..ops.drafter_qkv import drafter_qkv
 from .config import from_config_file
 from .layers import MLP, RMSNorm, apply_linear, join, project, rotary_cos_sin, rotate
 
@@ -141,52 +141,49 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, policy)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, policy)
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor | None = None, *, rope=None,
-                   linear=F.linear) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> rotated keys and values [B, T, kv_heads, head_dim], at positions [B, T]
-        or by rope (rope_tables' cos and sin for them)."""
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> rotated keys and values [B, T, kv_heads, head_dim] at positions [B, T]
+        (the PyTorch path, which training differentiates)."""
         shape = (*x.shape[:2], self.cfg.num_key_value_heads, self.cfg.head_dim)
-        k, v = project((self.k_proj, self.v_proj), x, linear)
-        rope = rope or rope_tables(positions, self.cfg, x.dtype)
-        return self._norm_rope(None, k.view(shape), rope)[1], v.view(shape)
+        k, v = project((self.k_proj, self.v_proj), x)
+        return rotate(self.k_norm(k.view(shape)), *rope_tables(positions, self.cfg, x.dtype), interleave=False), v.view(shape)
 
-    def _norm_rope(self, q: torch.Tensor | None, k: torch.Tensor, rope) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """q_norm and rope on q [B, T, heads, d] (or None), k_norm and rope on k [B, T, kv_heads, d]:
-        one launch (ops/qk_norm_rope.py) on the kernel path, in place where q and k are adjacent
-        columns of one GEMM's output; else the layers op by op."""
+    def place(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, rope, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """q [B, S, heads, d] (or None), k and v [B, S, kv_heads, d]: returns q after q_norm and
+        rope; k after k_norm and rope, and v, go into the caches at rows, slots (int64 [B, S]).
+        One launch (ops/drafter_qkv.py) on the kernel path when they are adjacent columns of one
+        GEMM's output (load_drafter joins the projections); else the layers op by op."""
         policy = self.k_norm.policy
-        if not policy.kernel("RMSNorm", k, self.k_norm.weight) or (policy.automatic and k.dtype not in KERNEL_DTYPES):
-            return (None if q is None else rotate(self.q_norm(q), *rope, interleave=False),
-                    rotate(self.k_norm(k), *rope, interleave=False))
-        weights = (self.k_norm.weight, self.k_norm.weight) if q is None else (self.q_norm.weight, self.k_norm.weight)
-        qk = k if q is None else _adjacent(q, k)
-        split = 0 if q is None else q.shape[-2]
-        if qk is None:  # separate buffers: one launch each
-            return (qk_norm_rope(q, weights, split, *rope, self.q_norm.eps, pdl=policy.pdl),
-                    qk_norm_rope(k, weights, 0, *rope, self.k_norm.eps, pdl=policy.pdl))
-        out = qk_norm_rope(qk, weights, split, *rope, self.k_norm.eps, out=qk if q is not None else None, pdl=policy.pdl)
-        return (None, out) if q is None else (out[..., :split, :], out[..., split:, :])
+        joint = _adjacent([t for t in (q, k, v) if t is not None])
+        kernel_dtypes = k.dtype in KERNEL_DTYPES and k_cache.dtype in KERNEL_DTYPES
+        if joint is not None and policy.kernel("RMSNorm", k, self.k_norm.weight) and (not policy.automatic or kernel_dtypes):
+            return drafter_qkv(joint, 0 if q is None else q.shape[-2], (self.q_norm.weight, self.k_norm.weight), *rope,
+                               self.k_norm.eps, k_cache, v_cache, rows, slots, pdl=policy.pdl)
+        k_cache[rows, slots] = rotate(self.k_norm(k), *rope, interleave=False).to(k_cache.dtype)
+        v_cache[rows, slots] = v.to(v_cache.dtype)
+        return None if q is None else rotate(self.q_norm(q), *rope, interleave=False)
 
-    def forward(self, x, rope, k_cache, v_cache, ctx_len, key_limit: int | None = None, linear=F.linear) -> torch.Tensor:
+    def forward(self, x, rope, k_cache, v_cache, ctx_len, key_limit: int | None = None, linear=F.linear,
+                entries: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Block x [B, S, hidden], rotated by rope (rope_tables at its positions [B, S]), attends,
         non-causally, to the first ctx_len [B] context entries of k_cache / v_cache
         [B, capacity, kv_heads, head_dim] and to itself. `linear(x, weight)` computes the
         projections (layers.project).
 
         The block's own keys and values are written into the cache right after the context
-        (slots ctx_len .. ctx_len + S - 1, which the next append_context overwrites), so attention
-        reads the cache in place: nothing is concatenated. key_limit (>= max(ctx_len) + S, a
-        bound the caller knows) trims the keys read; None reads the whole capacity.
+        (slots ctx_len .. ctx_len + S - 1, which the next append_context overwrites; entries: those
+        (rows, slots), int64 [B, S] each, when the caller has them), so attention reads the cache
+        in place: nothing is concatenated. key_limit (>= max(ctx_len) + S, a bound the caller
+        knows) trims the keys read; None reads the whole capacity.
         """
         cfg = self.cfg
         b, s, _ = x.shape
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        rows, slots = entries or block_entries(ctx_len, s)
         q, k_blk, v_blk = project((self.q_proj, self.k_proj, self.v_proj), x, linear)
-        q, k_blk = self._norm_rope(q.view(b, s, heads, d), k_blk.view(b, s, kv_heads, d), rope)
-        rows = torch.arange(b, device=x.device)[:, None].expand(b, s)
-        slots = ctx_len[:, None] + torch.arange(s, device=x.device)
-        k_cache[rows, slots] = k_blk.to(k_cache.dtype)
-        v_cache[rows, slots] = v_blk.view(b, s, kv_heads, d).to(v_cache.dtype)
+        q = self.place(q.view(b, s, heads, d), k_blk.view(b, s, kv_heads, d), v_blk.view(b, s, kv_heads, d), rope,
+                       k_cache, v_cache, rows, slots)
         limit = k_cache.shape[1] if key_limit is None else key_limit
         k, v = k_cache[:, :limit].transpose(1, 2), v_cache[:, :limit].transpose(1, 2)  # views, no copy
         seen = torch.arange(limit, device=x.device)[None, :] < (ctx_len + s)[:, None]  # context + whole block
@@ -200,14 +197,24 @@ class DrafterAttention(nn.Module):
         return apply_linear(self.o_proj, out, linear)
 
 
-def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """q [..., Hq, d] and k [..., Hk, d] as one [..., Hq + Hk, d] view when k's heads follow q's in
-    memory with the same strides (split columns of one GEMM's output), else None."""
-    if q.stride() != k.stride() or q.dtype != k.dtype or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-        return None
-    if k.data_ptr() != q.data_ptr() + q.shape[-2] * q.stride(-2) * q.element_size():
-        return None
-    return q.as_strided((*q.shape[:-2], q.shape[-2] + k.shape[-2], q.shape[-1]), q.stride())
+def block_entries(ctx_len: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, slots) int64 [B, S]: the cache entries of a block of S after ctx_len [B] entries."""
+    b = ctx_len.shape[0]
+    rows = torch.arange(b, device=ctx_len.device)[:, None].expand(b, s)
+    return rows, ctx_len[:, None] + torch.arange(s, device=ctx_len.device)
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """Tensors [..., H_i, d] as one [..., sum H_i, d] view when each one's heads follow the one
+    before's in memory with the same strides (split columns of one GEMM's output), else None."""
+    first = parts[0]
+    for a, b in zip(parts, parts[1:]):
+        if b.stride() != first.stride() or b.dtype != first.dtype or b.shape[:-2] != first.shape[:-2] or b.shape[-1] != first.shape[-1]:
+            return None
+        if b.data_ptr() != a.data_ptr() + a.shape[-2] * a.stride(-2) * a.element_size():
+            return None
+    heads = sum(t.shape[-2] for t in parts)
+    return first.as_strided((*first.shape[:-2], heads, first.shape[-1]), first.stride())
 
 
 class DrafterLayer(nn.Module):
@@ -276,10 +283,11 @@ class Drafter(nn.Module):
         slots, positions = lengths[:, None] + steps, cache.next_positions(rows)[:, None] + steps
         rope = rope_tables(positions, self.cfg, ctx.dtype)
         row_index = rows[:, None].expand(b, c)
+        shape = (b, c, self.cfg.num_key_value_heads, self.cfg.head_dim)
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
-            k, v = layer.self_attn.project_kv(ctx, rope=rope, linear=linear)
-            k_cache[row_index, slots] = k.to(k_cache.dtype)
-            v_cache[row_index, slots] = v.to(v_cache.dtype)
+            attn = layer.self_attn
+            k, v = project((attn.k_proj, attn.v_proj), ctx, linear)
+            attn.place(None, k.view(shape), v.view(shape), rope, k_cache, v_cache, row_index, slots)
         cache.lengths.index_add_(0, rows, counts.long())
 
     def forward(self, block_embeds: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:
@@ -292,11 +300,12 @@ class Drafter(nn.Module):
         positions = cache.next_positions()[:, None] + torch.arange(block_embeds.shape[1], device=block_embeds.device)
         rope = rope_tables(positions, self.cfg, block_embeds.dtype)
         linear = self._linear(block_embeds)
+        entries = block_entries(cache.lengths, block_embeds.shape[1])
         x, h = block_embeds, self.layers[0].input_layernorm(block_embeds)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, k_cache, v_cache, next_norm in zip(self.layers, cache.keys, cache.values, norms):
-            x, h = layer.post_attention_layernorm(x, layer.self_attn(h, rope, k_cache, v_cache, cache.lengths, key_limit,
-                                                                     linear))
+            attn = layer.self_attn(h, rope, k_cache, v_cache, cache.lengths, key_limit, linear, entries)
+            x, h = layer.post_attention_layernorm(x, attn)
             x, h = next_norm(x, layer.mlp(h, linear))  # each residual add in its norm's launch
         return h
 

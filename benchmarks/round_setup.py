@@ -36,7 +36,7 @@ from ddtree.engine.pages import pages_for
 from ddtree.engine.round import RoundContext
 from ddtree.models import Drafter, DrafterConfig, Target, TargetConfig, check_pair
 from ddtree.models.checkpoint import init_random, random_target
-from ddtree.models.drafter import reference_layer_ids
+from ddtree.models.drafter_config import reference_layer_ids
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 ALPHA = 3.0  # logit std of a hidden state unrelated to any embedding (engine_parity's --logit-std)
@@ -62,7 +62,7 @@ def target_config(name: str, layers: int | None) -> tuple[TargetConfig, int, dic
 
 
 def dflash_layer_ids(target_layers: int, count: int = 5) -> list[int]:
-    """DFlash's choice of target layers (models.drafter.reference_layer_ids), or every layer of a
+    """DFlash's choice of target layers (models.drafter_config.reference_layer_ids), or every layer of a
     target too shallow for it (a benchmark's slice of a few layers)."""
     if target_layers - 3 < count:
         return list(range(min(count, target_layers)))

@@ -40,7 +40,7 @@ def gpu_bytes(args) -> int:
 
 def plan(args) -> None:
     from .models.config import TargetConfig
-    from .models.drafter import DrafterConfig, check_pair
+    from .models.drafter_config import DrafterConfig, check_pair
     from .parallel.memory_plan import plan_memory
 
     memory = gpu_bytes(args)

@@ -206,7 +206,7 @@ def test_a_kimi_k25_style_drafter_without_target_layers(tmp_path):
     """z-lab's DFlash drafters for Kimi K2.5 / K2.6 (block size 8, 8 query heads per key/value head)
     may leave the target layers to DFlash's reference rule: spread from layer 1 to the fourth from
     last, one per draft layer ([1, 12, 24, 35, 47, 58] for K2.5's 6 layers on 61)."""
-    from ddtree.models.drafter import reference_layer_ids
+    from ddtree.models.drafter_config import reference_layer_ids
 
     assert reference_layer_ids(61, 6) == [1, 12, 24, 35, 47, 58]
     assert reference_layer_ids(30, 1) == [15]

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from ddtree.cli import main  # noqa: E402
 from ddtree.models import load_drafter, load_target  # noqa: E402
 from ddtree.models.config import TargetConfig  # noqa: E402
-from ddtree.models.drafter import DrafterConfig  # noqa: E402
+from ddtree.models.drafter_config import DrafterConfig  # noqa: E402
 from ddtree.parallel.memory_plan import CONTEXT_BYTES, GIB, parameter_bytes, plan_memory  # noqa: E402
 
 from ..engine.pairs import make_pair  # noqa: E402

@@ -2,7 +2,8 @@
 
 from .checkpoint import load_drafter, load_target, random_target, save_drafter, save_target
 from .config import TargetConfig
-from .drafter import Drafter, DrafterCache, DrafterConfig, check_pair
+from .drafter import Drafter, DrafterCache
+from .drafter_config import DrafterConfig, check_pair
 from .paged import ForwardMeta, PrefillMeta
 from .target import Target
 

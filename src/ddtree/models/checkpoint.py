@@ -19,7 +19,8 @@ from ..parallel.checkpoint_parts import expert_range, tensor_part
 from ..parallel.shard import SINGLE, Shard
 from . import expert_weights
 from .config import TargetConfig, text_config
-from .drafter import Drafter, DrafterConfig, check_pair
+from .drafter import Drafter
+from .drafter_config import DrafterConfig, check_pair
 from .layers import MoE, inv_freq_and_factor
 from .target import Target
 

@@ -9,89 +9,19 @@ projects the newly committed tokens. Embedding and lm_head are the target's.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.drafter_qkv import drafter_qkv
 from ..ops.gemm import linear as few_row_linear
 from ..ops.launch import DTYPES as KERNEL_DTYPES
 from ..ops.policy import KernelPolicy
-from ..ops.drafter_qkv import drafter_qkv
-from .config import from_config_file
+from .drafter_config import DrafterConfig
 from .layers import MLP, RMSNorm, apply_linear, join, project, rotary_cos_sin, rotate
-
-
-def reference_layer_ids(target_layers: int, draft_layers: int) -> list[int]:
-    """DFlash's reference choice of target layers when a drafter's config names none (its
-    build_target_layer_ids): one per draft layer, evenly from layer 1 to layer target_layers - 3
-    (Kimi K2.5 / K2.6, 61 layers, 6 draft layers: [1, 12, 24, 35, 47, 58])."""
-    if draft_layers == 1:
-        return [target_layers // 2]
-    start, end = 1, target_layers - 3
-    return [int(round(start + i * (end - start) / (draft_layers - 1))) for i in range(draft_layers)]
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    attention_bias: bool
-    # dflash_config
-    target_layer_ids: tuple[int, ...]  # () when config.json leaves them to DFlash's rule (for_target)
-    block_size: int
-    mask_token_id: int
-
-    def for_target(self, target_cfg) -> "DrafterConfig":
-        """This config with its target layers settled for `target_cfg`: as given, or by DFlash's
-        reference rule when config.json gives none (reference_layer_ids)."""
-        if self.target_layer_ids:
-            return self
-        ids = reference_layer_ids(target_cfg.num_hidden_layers, self.num_hidden_layers)
-        return dataclasses.replace(self, target_layer_ids=tuple(ids))
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "DrafterConfig":
-        dflash = raw.get("dflash_config") or {}
-        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids")) or ()
-        mask = dflash.get("mask_token_id", raw.get("mask_token_id"))
-        if mask is None:
-            raise ValueError("drafter config.json lacks dflash_config.mask_token_id")
-        if (raw.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
-            raise NotImplementedError(f"drafter rope_scaling {raw['rope_scaling']} is not supported yet")
-        unsupported = {k: raw.get(k, dflash.get(k)) for k in ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")}
-        unsupported = {k: v for k, v in unsupported.items() if v not in (None, 1, 1.0, 0, 0.0)}
-        causal = raw.get("is_causal") or any(t != "full_attention" for t in raw.get("layer_types") or [])
-        if unsupported or causal:
-            raise NotImplementedError(
-                f"drafter variant not supported yet: {unsupported or 'causal / sliding-window layers'}"
-            )
-        heads = raw["num_attention_heads"]
-        return cls(
-            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=raw.get("rope_theta", 1e6),
-            vocab_size=raw["vocab_size"], attention_bias=raw.get("attention_bias", False),
-            target_layer_ids=tuple(layer_ids), block_size=int(dflash.get("block_size", raw.get("block_size", 16))),
-            mask_token_id=int(mask),
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> "DrafterConfig":
-        return from_config_file(path, cls.from_dict, "a DFlash drafter's config")
 
 
 def rope_tables(positions: torch.Tensor, cfg: DrafterConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,44 +94,41 @@ class DrafterAttention(nn.Module):
         v_cache[rows, slots] = v.to(v_cache.dtype)
         return None if q is None else rotate(self.q_norm(q), *rope, interleave=False)
 
-    def forward(self, x, rope, k_cache, v_cache, ctx_len, key_limit: int | None = None, linear=F.linear,
-                entries: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Block x [B, S, hidden], rotated by rope (rope_tables at its positions [B, S]), attends,
-        non-causally, to the first ctx_len [B] context entries of k_cache / v_cache
-        [B, capacity, kv_heads, head_dim] and to itself. `linear(x, weight)` computes the
-        projections (layers.project).
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block: "BlockPass") -> torch.Tensor:
+        """Block x [B, S, hidden] attends, non-causally, to its requests' context entries in
+        k_cache / v_cache [B, capacity, kv_heads, head_dim] and to itself (block: what the pass's
+        layers share).
 
         The block's own keys and values are written into the cache right after the context
-        (slots ctx_len .. ctx_len + S - 1, which the next append_context overwrites; entries: those
-        (rows, slots), int64 [B, S] each, when the caller has them), so attention reads the cache
-        in place: nothing is concatenated. key_limit (>= max(ctx_len) + S, a bound the caller
-        knows) trims the keys read; None reads the whole capacity.
+        (block.rows, block.slots: which the next append_context overwrites), so attention reads
+        the cache in place: nothing is concatenated.
         """
         cfg = self.cfg
         b, s, _ = x.shape
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        rows, slots = entries or block_entries(ctx_len, s)
-        q, k_blk, v_blk = project((self.q_proj, self.k_proj, self.v_proj), x, linear)
-        q = self.place(q.view(b, s, heads, d), k_blk.view(b, s, kv_heads, d), v_blk.view(b, s, kv_heads, d), rope,
-                       k_cache, v_cache, rows, slots)
-        limit = k_cache.shape[1] if key_limit is None else key_limit
-        k, v = k_cache[:, :limit].transpose(1, 2), v_cache[:, :limit].transpose(1, 2)  # views, no copy
-        seen = torch.arange(limit, device=x.device)[None, :] < (ctx_len + s)[:, None]  # context + whole block
+        q, k_blk, v_blk = project((self.q_proj, self.k_proj, self.v_proj), x, block.linear)
+        q = self.place(q.view(b, s, heads, d), k_blk.view(b, s, kv_heads, d), v_blk.view(b, s, kv_heads, d), block.rope,
+                       k_cache, v_cache, block.rows, block.slots)
+        k, v = k_cache[:, : block.limit].transpose(1, 2), v_cache[:, : block.limit].transpose(1, 2)  # views, no copy
         # Grouped heads without repeating the keys: which keys a query sees does not depend on the
         # query (non-causal), so the query heads of one key head are rows of one attention
         group = heads // kv_heads
         q = q.view(b, s, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * s, d)
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=seen[:, None, None, :],
-                                             scale=d**-0.5)
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=block.seen, scale=d**-0.5)
         out = out.view(b, kv_heads, group, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
-        return apply_linear(self.o_proj, out, linear)
+        return apply_linear(self.o_proj, out, block.linear)
 
 
-def block_entries(ctx_len: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, slots) int64 [B, S]: the cache entries of a block of S after ctx_len [B] entries."""
-    b = ctx_len.shape[0]
-    rows = torch.arange(b, device=ctx_len.device)[:, None].expand(b, s)
-    return rows, ctx_len[:, None] + torch.arange(s, device=ctx_len.device)
+@dataclass
+class BlockPass:
+    """What every layer of one draft pass shares, computed once a pass."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, S, head_dim / 2] at the block's positions
+    rows: torch.Tensor  # int64 [B, S]: the cache row of each block token's key and value
+    slots: torch.Tensor  # int64 [B, S]: its slot, right after the request's context
+    limit: int  # keys read per request (the key_limit bound, or the whole capacity)
+    seen: torch.Tensor  # bool [B, 1, 1, limit]: the keys each request's queries see (context + block)
+    linear: object  # the GEMM, linear(x, weight) (Drafter._linear)
 
 
 def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -296,17 +223,22 @@ class Drafter(nn.Module):
         Returns the normed hidden
         states of the block [B, block_size, hidden]; slots 1.. predict the next block_size - 1 tokens.
         The cache needs block_size free slots past each request's context (DrafterAttention.forward);
-        key_limit: optional bound on max(lengths) + block_size, to read fewer keys."""
-        positions = cache.next_positions()[:, None] + torch.arange(block_embeds.shape[1], device=block_embeds.device)
-        rope = rope_tables(positions, self.cfg, block_embeds.dtype)
-        linear = self._linear(block_embeds)
-        entries = block_entries(cache.lengths, block_embeds.shape[1])
+        key_limit: optional bound on max(lengths) + block_size, to read fewer keys (None: the
+        whole capacity)."""
+        b, s = block_embeds.shape[:2]
+        device = block_embeds.device
+        positions = cache.next_positions()[:, None] + torch.arange(s, device=device)
+        limit = cache.keys[0].shape[1] if key_limit is None else key_limit
+        block = BlockPass(rope=rope_tables(positions, self.cfg, block_embeds.dtype),
+                          rows=torch.arange(b, device=device)[:, None].expand(b, s),
+                          slots=cache.lengths[:, None] + torch.arange(s, device=device), limit=limit,
+                          seen=(torch.arange(limit, device=device) < (cache.lengths + s)[:, None])[:, None, None, :],
+                          linear=self._linear(block_embeds))
         x, h = block_embeds, self.layers[0].input_layernorm(block_embeds)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, k_cache, v_cache, next_norm in zip(self.layers, cache.keys, cache.values, norms):
-            attn = layer.self_attn(h, rope, k_cache, v_cache, cache.lengths, key_limit, linear, entries)
-            x, h = layer.post_attention_layernorm(x, attn)
-            x, h = next_norm(x, layer.mlp(h, linear))  # each residual add in its norm's launch
+            x, h = layer.post_attention_layernorm(x, layer.self_attn(h, k_cache, v_cache, block))
+            x, h = next_norm(x, layer.mlp(h, block.linear))  # each residual add in its norm's launch
         return h
 
     def draft_logits(self, target, bonus: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:
@@ -321,24 +253,3 @@ class Drafter(nn.Module):
         # each read the whole lm_head (B times its bytes: benchmarks/results/profile_round-*-b32-*)
         rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
         return target.logits_of(rows, float32=False).view(bonus.shape[0], self.cfg.block_size - 1, -1)
-
-
-def check_pair(target_cfg, drafter_cfg: DrafterConfig) -> None:
-    """A drafter shares the target's embedding and lm_head and reads its layers' outputs: refuse a
-    mismatched pair before any compute."""
-    if drafter_cfg.hidden_size != target_cfg.hidden_size:
-        raise ValueError(f"drafter hidden_size {drafter_cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
-    if drafter_cfg.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"drafter vocab_size {drafter_cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
-    ids = list(drafter_cfg.target_layer_ids)
-    if not ids:
-        raise ValueError("drafter target_layer_ids is empty")
-    if ids != sorted(set(ids)):
-        # Features are concatenated in this order and fc was trained on it: a repeat or a swap
-        # would feed the drafter the wrong layers without any shape error.
-        raise ValueError(f"drafter target_layer_ids {ids} must be strictly increasing (no repeats)")
-    bad = [i for i in ids if not 0 <= i < target_cfg.num_hidden_layers]
-    if bad:
-        raise ValueError(f"drafter target_layer_ids {bad} out of range for a {target_cfg.num_hidden_layers}-layer target")
-    if not 0 <= drafter_cfg.mask_token_id < target_cfg.vocab_size:
-        raise ValueError(f"drafter mask_token_id {drafter_cfg.mask_token_id} is not in the vocabulary")

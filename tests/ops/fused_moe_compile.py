@@ -56,6 +56,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         # 16-byte loads straight into registers (the row kernels' words and activations)
         "vector_loads": len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.b32\b", compiled.asm["ptx"])),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
+        "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", asm["sass"], re.MULTILINE)),  # SASS, per thread
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
         "waits_first": waits_before_memory(compiled.asm["ptx"]),
     }
@@ -64,7 +65,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
 def all_reports() -> dict[str, dict]:
     """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
     alignment, and with INT4 experts in groups of 32, unpacked by word and in pairs; the INT4 row
-    kernels); the alignment at 64 tokens x 8 of 384 experts."""
+    kernels); the alignment at 64 tokens x 8 of 384 experts and at 4096 pairs over 64 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
                  DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False, UNPACK="word")
@@ -83,7 +84,14 @@ def all_reports() -> dict[str, dict]:
     index_i64 = dict(index, block_expert_ptr="*i64")
     return {
         "align": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
-                                dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
+                                dict(P_PAD=512, E_PAD=512, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64),
+                                num_warps=moe_align.align_warps(512)),
+        # a verify of 544 rows on Moonlight's 64 experts (top 6): at 4 warps and as launched
+        "align_wide_4_warps": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
+                                             dict(P_PAD=4096, E_PAD=64, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64), num_warps=4),
+        "align_wide": compile_report(moe_align._align_kernel, dict(ids_ptr="*i64", **index),
+                                     dict(P_PAD=4096, E_PAD=64, BLOCK_M=fused_moe.BLOCK_M, CHUNK=64),
+                                     num_warps=moe_align.align_warps(4096)),
         "gate_up": compile_report(fused_moe_kernels.gate_up_kernel, gate_up_pointers, tiles, **gemm),
         "down": compile_report(fused_moe_kernels.down_kernel, down_pointers, tiles, **gemm),
         "gate_up_direct": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, block_expert_ptr="*i64"),

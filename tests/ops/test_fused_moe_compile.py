@@ -21,6 +21,13 @@ def test_no_kernel_spills(reports):
         assert report["spill_bytes"] == 0 and report["registers"] <= 255, (name, report)
 
 
+def test_a_wide_alignment_shares_its_sort_over_more_warps(reports):
+    """One program sorts every pair: at a verify's 4096 pairs it runs alone on one multiprocessor,
+    so align_warps gives it more warps, each with a third of the instructions or fewer."""
+    wide, narrow = reports["align_wide"], reports["align_wide_4_warps"]
+    assert 3 * wide["instructions"] <= narrow["instructions"], (wide, narrow)
+
+
 def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
     for name in ("gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
                  "gate_up_int4_pairs", "down_int4_pairs"):
@@ -47,8 +54,8 @@ def test_int4_row_kernels_read_words_as_vectors(reports):
 def test_every_kernel_waits_for_its_producer_first(reports):
     """Launched with programmatic dependent launch on the H200 (ops/launch.py): each kernel's PTX has
     the grid-dependency wait that keeps it from reading its inputs before the previous kernel ends."""
-    assert set(reports) == {"align", "gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
-                            "gate_up_int4_pairs", "down_int4_pairs",
+    assert set(reports) == {"align", "align_wide_4_warps", "align_wide", "gate_up", "down", "gate_up_direct",
+                            "down_direct", "gate_up_int4", "down_int4", "gate_up_int4_pairs", "down_int4_pairs",
                             "gate_up_rows", "down_rows", "sum"}
     for name, report in reports.items():
         assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)

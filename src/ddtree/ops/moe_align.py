@@ -98,6 +98,13 @@ def _align_kernel(
         tl.store(sorted_pairs_ptr + b[:, None] * BLOCK_M + j[None, :], num_pairs, mask=unused[:, None])
 
 
+def align_warps(p_pad: int) -> int:
+    """Warps of the one alignment program for P_PAD pairs: it runs alone on one multiprocessor and
+    its sort's instructions per thread fall with the warps that share it, so the wide sorts (a
+    tree verify's hundreds of rows) take 16 (tests/ops/test_fused_moe_compile.py compares them)."""
+    return 4 if p_pad <= 256 else 8 if p_pad <= 1024 else 16
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
                     out: tuple[torch.Tensor, torch.Tensor] | None = None, pdl: bool = True) -> ExpertBlocks:
     """ids int64 [T, k] (expert of each (token, choice), each in [0, num_experts): ids outside are
@@ -120,10 +127,11 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int,
         if t.shape != (n,) or t.dtype != torch.int32 or t.device != ids.device:
             raise ValueError(f"out {name} must be int32 [{n}] on {ids.device}, got {t.dtype} {list(t.shape)} on {t.device}")
     if n_blocks:
+        p_pad = triton.next_power_of_2(max(num_pairs, 16))
         _align_kernel[(1,)](
             ids, sorted_pairs, block_expert, num_pairs, num_experts, n_blocks,
-            P_PAD=triton.next_power_of_2(max(num_pairs, 16)), E_PAD=triton.next_power_of_2(max(num_experts, 16)),
-            BLOCK_M=block_m, CHUNK=64, num_warps=4,  # CHUNK: unused blocks marked per loop step
+            P_PAD=p_pad, E_PAD=triton.next_power_of_2(max(num_experts, 16)),
+            BLOCK_M=block_m, CHUNK=64, num_warps=align_warps(p_pad),  # CHUNK: unused blocks marked per loop step
             **launch_flags(ids.device, pdl),
         )
     return ExpertBlocks(sorted_pairs, block_expert, num_pairs, block_m)

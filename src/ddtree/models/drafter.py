@@ -209,7 +209,7 @@ class Drafter(nn.Module):
         steps = torch.arange(c, device=features.device)
         slots, positions = lengths[:, None] + steps, cache.next_positions(rows)[:, None] + steps
         rope = rope_tables(positions, self.cfg, ctx.dtype)
-        row_index = rows[:, None].expand(b, c)
+        row_index = rows[:, None].expand(b, c).contiguous()  # the kernel's layout, once for every layer
         shape = (b, c, self.cfg.num_key_value_heads, self.cfg.head_dim)
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
             attn = layer.self_attn
@@ -230,7 +230,7 @@ class Drafter(nn.Module):
         positions = cache.next_positions()[:, None] + torch.arange(s, device=device)
         limit = cache.keys[0].shape[1] if key_limit is None else key_limit
         block = BlockPass(rope=rope_tables(positions, self.cfg, block_embeds.dtype),
-                          rows=torch.arange(b, device=device)[:, None].expand(b, s),
+                          rows=torch.arange(b, device=device)[:, None].expand(b, s).contiguous(),  # no copy a layer
                           slots=cache.lengths[:, None] + torch.arange(s, device=device), limit=limit,
                           seen=(torch.arange(limit, device=device) < (cache.lengths + s)[:, None])[:, None, None, :],
                           linear=self._linear(block_embeds))

@@ -105,6 +105,19 @@ def test_bad_backend():
         topk_logprobs(torch.zeros(1, 1, 4, dtype=torch.float64), 2, backend="triton")
 
 
+def test_nan_logits_rank_first_as_in_the_reference(kernel_device):
+    """A NaN logit (a broken drafter) sorts before every number in both backends, the other tokens
+    in their order after it, and the row's log-probs are NaN."""
+    logits = torch.randn(1, 2, 300, generator=torch.Generator().manual_seed(5))
+    logits[0, 0, 17] = float("nan")
+    logits[0, 1, 250] = float("nan")
+    want_lp, want_tok = topk_logprobs(logits, 8, backend="reference")
+    for lp, tok in (topk_logprobs(logits.to(kernel_device), 8, backend="triton"),
+                    topk_logprobs_triton(logits.to(kernel_device), 8, chunk=64)):
+        assert torch.equal(tok.cpu(), want_tok) and tok[0, 0, 0] == 17 and tok[0, 1, 0] == 250
+        assert lp.isnan().all() and want_lp.isnan().all()
+
+
 def test_minus_inf_logits_tie_in_token_order(kernel_device):
     # A row with few finite logits: the rest tie at -inf and must come in token order.
     logits = torch.full((1, 2, 600), float("-inf"))

@@ -50,7 +50,7 @@ def _chunk_kernel(
     slots = keys_ptr + out * CAP + tl.arange(0, CAP)
     # KPAD groups have a maximum >= the KPAD-th largest group maximum, so the chunk's KPAD best are
     # at least that: only those candidates need sorting (a few per group on drafter logits)
-    least = tl.min(tl.topk(tl.max(x, 1), KPAD), 0)
+    least = tl.min(tl.topk(tl.max(tl.where(x != x, float("-inf"), x), 1), KPAD), 0)
     pick = inside & ((x >= least) | (x != x))  # NaN sorts first, as in the reference
     count = tl.sum(tl.sum(pick.to(tl.int32), 1), 0)
     if count <= CAP:

@@ -62,6 +62,18 @@ def test_triton_backend_at_a_drafters_shape(kind):
         torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=4e-6)
 
 
+@pytest.mark.parametrize("k", [16, 64])
+def test_the_chunks_bound_leaves_no_slack(k, kernel_device):
+    """k a power of two and chunks of 4 k groups of one logit each: a chunk keeps exactly the
+    logits at least its k-th largest, so a bound one rank too high loses a token (the pairwise
+    count at 16, tl.topk of the group maxima at 64)."""
+    logits = torch.randn(1, 3, 4 * k + 5, generator=torch.Generator().manual_seed(k))
+    want_lp, want_tok = topk_logprobs(logits, k, backend="reference")
+    lp, tok = topk_logprobs_triton(logits.to(kernel_device), k, chunk=4 * k)
+    assert torch.equal(tok.cpu(), want_tok)
+    torch.testing.assert_close(lp.cpu(), want_lp, rtol=0, atol=4e-6)
+
+
 def test_triton_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match=f"k <= {MAX_K}"):
         topk_logprobs(torch.zeros(1, 1, MAX_K + 1), MAX_K + 1, backend="triton")

@@ -5,7 +5,8 @@ integer, high; V - 1 - token, low), so the largest keys are exactly the referenc
 reference's order, ties included. Rows are cut into chunks so that even one row fills the GPU.
 The first launch writes, per chunk, its log-sum-exp terms (max, sum of exp) and CAP = 4 KPAD
 slots holding a superset of its KPAD largest keys: the chunk's logits at least the KPAD-th largest
-of its 4 KPAD group maxima (a few per group on drafter logits; where more, as when many logits tie,
+of its 4 KPAD group maxima (counted pairwise up to RANK_GROUPS groups, fewer instructions than a
+sort there; a few candidates per group on drafter logits; where more, as when many logits tie,
 the chunk's own KPAD best from Triton's bitonic tl.topk), the other slots padding. The second
 keeps each row's KPAD best of its chunks' slots (tl.topk in groups), decodes the logit and token
 from each key and subtracts the row's log-sum-exp.
@@ -27,6 +28,7 @@ CHUNK = 4096  # logits per program of the first launch
 MERGE = 4096  # keys per tl.topk of the second launch
 MAX_K = 256  # larger k: the reference path (topk.py)
 CANDIDATES = 4  # per chunk, 4 k groups and room for 4 k candidates
+RANK_GROUPS: tl.constexpr = tl.constexpr(128)  # up to this many groups, their k-th maximum by counting, not tl.topk
 
 
 @triton.jit
@@ -50,7 +52,12 @@ def _chunk_kernel(
     slots = keys_ptr + out * CAP + tl.arange(0, CAP)
     # KPAD groups have a maximum >= the KPAD-th largest group maximum, so the chunk's KPAD best are
     # at least that: only those candidates need sorting (a few per group on drafter logits)
-    least = tl.min(tl.topk(tl.max(tl.where(x != x, float("-inf"), x), 1), KPAD), 0)
+    group_max = tl.max(tl.where(x != x, float("-inf"), x), 1)
+    if GROUPS <= RANK_GROUPS:  # the least maximum with fewer than KPAD above it: no sort
+        above = tl.sum((group_max[None, :] > group_max[:, None]).to(tl.int32), 1)
+        least = tl.min(tl.where(above < KPAD, group_max, float("inf")), 0)
+    else:
+        least = tl.min(tl.topk(group_max, KPAD), 0)
     pick = inside & ((x >= least) | (x != x))  # NaN sorts first, as in the reference
     count = tl.sum(tl.sum(pick.to(tl.int32), 1), 0)
     if count <= CAP:

@@ -163,6 +163,7 @@ def test_draft_logits_put_the_bonus_in_slot_0(tmp_path):
         torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
     moved = m.draft_logits(target, torch.tensor([17, 5]), cache)  # the bonus matters
     assert not torch.allclose(moved[0], got[0])
+    assert m.draft_logits(target, torch.zeros(0, dtype=torch.long), m.new_cache(0, 16)).shape == (0, 3, 96)
 
 
 @torch.no_grad()

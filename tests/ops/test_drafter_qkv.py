@@ -65,6 +65,8 @@ def test_matches_reference(b, s, q_heads, kv_heads, d, dtype, cache_dtype, kerne
     assert torch.equal(k_cache.isnan().cpu(), want_k.isnan()) and torch.equal(v_cache.isnan().cpu(), want_v.isnan())
     written = ~want_k.isnan()
     torch.testing.assert_close(k_cache.cpu()[written], want_k[written], **TOL[dtype])
+    keys = k_cache.cpu()[written]  # rounded to the projections' dtype, as the reference's, before a wider cache
+    assert torch.equal(keys, keys.to(dtype).to(cache_dtype))
     assert torch.equal(v_cache.cpu()[written], want_v[written])  # values are copied as they are
 
 

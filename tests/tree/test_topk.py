@@ -130,6 +130,18 @@ def test_nan_logits_rank_first_as_in_the_reference(kernel_device):
         assert lp.isnan().all() and want_lp.isnan().all()
 
 
+def test_a_plus_inf_logit_leaves_every_other_token_at_minus_inf(kernel_device):
+    """As logsumexp: a row holding +inf has log-sum-exp +inf, so its +inf token's log-prob is NaN
+    and every other's -inf, in both backends."""
+    logits = torch.randn(1, 1, 500, generator=torch.Generator().manual_seed(6))
+    logits[0, 0, 9] = float("inf")
+    want_lp, want_tok = topk_logprobs(logits, 4, backend="reference")
+    lp, tok = topk_logprobs(logits.to(kernel_device), 4, backend="triton")
+    assert torch.equal(tok.cpu(), want_tok) and tok[0, 0, 0] == 9
+    assert lp[0, 0, 0].isnan() and want_lp[0, 0, 0].isnan()
+    assert torch.equal(lp.cpu()[0, 0, 1:], want_lp[0, 0, 1:]) and (want_lp[0, 0, 1:] == float("-inf")).all()
+
+
 def test_minus_inf_logits_tie_in_token_order(kernel_device):
     # A row with few finite logits: the rest tie at -inf and must come in token order.
     logits = torch.full((1, 2, 600), float("-inf"))

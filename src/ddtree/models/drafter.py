@@ -86,7 +86,8 @@ class DrafterAttention(nn.Module):
         GEMM's output (load_drafter joins the projections); else the layers op by op."""
         policy = self.k_norm.policy
         joint = _adjacent([t for t in (q, k, v) if t is not None])
-        kernel_dtypes = k.dtype in KERNEL_DTYPES and k_cache.dtype in KERNEL_DTYPES
+        same = (self.q_norm.weight, self.k_norm.weight, *rope)
+        kernel_dtypes = k.dtype in KERNEL_DTYPES and k_cache.dtype in KERNEL_DTYPES and all(t.dtype == k.dtype for t in same)
         if joint is not None and policy.kernel("RMSNorm", k, self.k_norm.weight) and (not policy.automatic or kernel_dtypes):
             return drafter_qkv(joint, 0 if q is None else q.shape[-2], (self.q_norm.weight, self.k_norm.weight), *rope,
                                self.k_norm.eps, k_cache, v_cache, rows, slots, pdl=policy.pdl)
@@ -139,6 +140,9 @@ def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
         if b.stride() != first.stride() or b.dtype != first.dtype or b.shape[:-2] != first.shape[:-2] or b.shape[-1] != first.shape[-1]:
             return None
         if b.data_ptr() != a.data_ptr() + a.shape[-2] * a.stride(-2) * a.element_size():
+            return None
+        # Adjacent is not enough: separate allocations can sit back to back (layers.joint_weight)
+        if b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
             return None
     heads = sum(t.shape[-2] for t in parts)
     return first.as_strided((*first.shape[:-2], heads, first.shape[-1]), first.stride())
@@ -252,4 +256,5 @@ class Drafter(nn.Module):
         # As rows of one GEMM: cuBLAS took the strided [B, S - 1, hidden] slice as B batched GEMMs that
         # each read the whole lm_head (B times its bytes: benchmarks/results/profile_round-*-b32-*)
         rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-        return target.logits_of(rows, float32=False).view(bonus.shape[0], self.cfg.block_size - 1, -1)
+        logits = target.logits_of(rows, float32=False)
+        return logits.view(bonus.shape[0], self.cfg.block_size - 1, logits.shape[-1])

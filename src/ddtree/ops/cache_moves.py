@@ -51,7 +51,8 @@ def _commit_kernel(cache_ptr, table_ptr, prefix_ptr, accepted_ptr, accept_len_pt
         if d < steps:
             src = prefix + tl.load(accepted_ptr + request * stride_accepted + d)
             dst = prefix + d
-            src_page = tl.load(table + src // page_size, mask=src // page_size < table_width, other=-1).to(tl.int64)
+            src_page = tl.load(table + src // page_size, mask=(src >= 0) & (src // page_size < table_width),
+                               other=-1).to(tl.int64)
             dst_page = tl.load(table + dst // page_size, mask=dst // page_size < table_width, other=-1).to(tl.int64)
             if (src_page >= 0) & (dst_page >= 0):
                 entry = tl.load(base + (src_page * page_size + src % page_size) * width + cols, mask=ok)

@@ -71,14 +71,16 @@ def _drafter_qkv_kernel(
     n2 = _round(_round(x2 * scale, dtype) * w2, dtype)
     cos = tl.load(cos_ptr + t * stride_ct + c).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + t * stride_ct + c).to(tl.float32)[None, :]
-    y1 = tl.where(is_v, x1, _round(n1 * cos, dtype) - _round(n2 * sin, dtype))  # values pass as they are
-    y2 = tl.where(is_v, x2, _round(n2 * cos, dtype) + _round(n1 * sin, dtype))
+    # rounded to the projection's dtype before any wider cache takes them; values pass as they are
+    y1 = tl.where(is_v, x1, _round(_round(n1 * cos, dtype) - _round(n2 * sin, dtype), dtype))
+    y2 = tl.where(is_v, x2, _round(_round(n2 * cos, dtype) + _round(n1 * sin, dtype), dtype))
     to_q = q_ptr + t * stride_qt + h[:, None] * stride_qh + c[None, :]
     tl.store(to_q, y1.to(q_ptr.dtype.element_ty), mask=ok & is_q)
     tl.store(to_q + HALF, y2.to(q_ptr.dtype.element_ty), mask=ok & is_q)
     slot = tl.load(slots_ptr + t)
-    # A slot past the capacity is never written (another request's entries follow): the caller's
-    # check (Drafter.append_context(check=True)) refuses it first
+    # A slot outside the capacity is never written (another request's entries follow there). The
+    # engine sizes the capacity so that none is (engine/loading.drafter_capacity); eager callers
+    # can have append_context(check=True) refuse one; the reference's indexing raises
     entry = tl.load(rows_ptr + t) * stride_cb + slot * stride_cs
     in_cache = ok & (slot >= 0) & (slot < capacity)
     is_k = ~is_q & ~is_v
@@ -100,7 +102,7 @@ def drafter_qkv(qkv: torch.Tensor, q_heads: int, weights: tuple[torch.Tensor, to
     cos, sin: [B, S, d / 2] in qkv's dtype (models.layers.rotary_cos_sin at the tokens' positions).
     k_cache, v_cache: [R, capacity, kv_heads, d], one dtype of DTYPES, unit stride over d: token
              (b, s) goes to row rows[b, s], slot slots[b, s] (int64 [B, S]); a slot outside
-             [0, capacity) is not written.
+             [0, capacity) is not written (the reference raises on it).
     Returns the rotated queries [B, S, q_heads, d] in qkv's dtype (None when q_heads is 0).
     """
     b, s, heads, d = qkv.shape

@@ -94,6 +94,7 @@ def _merge_kernel(
     top = tl.max(m, 0)
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     lse = top_safe + tl.log2(tl.sum(s * tl.exp2((m - top_safe) * LOG2E), 0)) * LN2
+    lse = tl.where(top == float("inf"), top, lse)  # as logsumexp: +inf, whatever the chunks' sums
     ordered = (best >> 32).to(tl.int32)
     logit = tl.where(ordered < 0, ordered ^ FLIP, ordered).to(tl.float32, bitcast=True)
     token = vocab - 1 - (best & 0xFFFFFFFF)

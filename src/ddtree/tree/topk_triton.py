@@ -1,4 +1,5 @@
-"""Top-k of the drafter's logits in two Triton launches, no sort and no data-dependent size.
+"""Top-k of the drafter's logits in two Triton launches: no torch.topk or torch.sort, no
+data-dependent size.
 
 Every logit becomes the unique int64 key of topk.sort_keys (its float32 bits mapped to an ordered
 integer, high; V - 1 - token, low), so the largest keys are exactly the reference's tokens in the

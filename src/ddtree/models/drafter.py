@@ -21,22 +21,23 @@ from ..ops.gemm import linear as few_row_linear
 from ..ops.launch import DTYPES as KERNEL_DTYPES
 from ..ops.policy import KernelPolicy
 from .drafter_config import DrafterConfig
-from .layers import MLP, RMSNorm, apply_linear, join, project, rotary_cos_sin, rotate
+from .layers import MLP, RMSNorm, apply_linear, join, joint_output, project, rotary_cos_sin, rotate
+
+
+def _tables(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
+    return rotary_cos_sin(positions, inv_freq, 1.0, dtype)
 
 
 def rope_tables(positions: torch.Tensor, cfg: DrafterConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's default rope: cos and sin [..., T, head_dim / 2] in dtype at positions [..., T]; a pass
     computes them once for all its layers."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim)
-    return rotary_cos_sin(positions, inv_freq, 1.0, dtype)
+    return _tables(positions, cfg.head_dim, cfg.rope_theta, dtype)
 
 
 def rotate_half(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Qwen3's default rope on x [B, T, heads, dim] at positions [B, T] (tables and rotation at once)."""
-    dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)
-    return rotate(x, *rotary_cos_sin(positions, inv_freq, 1.0, x.dtype), interleave=False)
+    return rotate(x, *_tables(positions, x.shape[-1], theta, x.dtype), interleave=False)
 
 
 @dataclass
@@ -78,14 +79,27 @@ class DrafterAttention(nn.Module):
         k, v = project((self.k_proj, self.v_proj), x)
         return rotate(self.k_norm(k.view(shape)), *rope_tables(positions, self.cfg, x.dtype), interleave=False), v.view(shape)
 
-    def place(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, rope, k_cache: torch.Tensor,
+    def project_heads(self, linears: tuple[nn.Linear, ...], x: torch.Tensor, linear=F.linear
+              ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The projections of x [B, T, hidden] as heads [B, T, H_i, head_dim] each, and all of them
+        as one [B, T, sum H_i, head_dim] tensor when one GEMM made them (load_drafter joins the
+        weights: layers.joint_output), else None."""
+        b, t, d = *x.shape[:2], self.cfg.head_dim
+        sizes = [m.weight.shape[0] // d for m in linears]
+        joint = joint_output(linears, x, linear)
+        if joint is None:
+            return [apply_linear(m, x, linear).view(b, t, n, d) for m, n in zip(linears, sizes)], None
+        joint = joint.view(b, t, sum(sizes), d)
+        return list(joint.split(sizes, dim=-2)), joint
+
+    def place(self, parts: list[torch.Tensor], joint: torch.Tensor | None, rope, k_cache: torch.Tensor,
               v_cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
-        """q [B, S, heads, d] (or None), k and v [B, S, kv_heads, d]: returns q after q_norm and
-        rope; k after k_norm and rope, and v, go into the caches at rows, slots (int64 [B, S]).
-        One launch (ops/drafter_qkv.py) on the kernel path when they are adjacent columns of one
-        GEMM's output (load_drafter joins the projections); else the layers op by op."""
+        """parts (q, k, v) or (k, v) as project_heads(): returns q after q_norm and rope (None without q);
+        k after k_norm and rope, and v, go into the caches at rows, slots (int64 [B, S]). One
+        launch (ops/drafter_qkv.py) on the kernel path from joint, project_heads()' single GEMM output;
+        else the layers op by op."""
+        q, k, v = parts if len(parts) == 3 else (None, *parts)
         policy = self.k_norm.policy
-        joint = _adjacent([t for t in (q, k, v) if t is not None])
         same = (self.q_norm.weight, self.k_norm.weight, *rope)
         kernel_dtypes = k.dtype in KERNEL_DTYPES and k_cache.dtype in KERNEL_DTYPES and all(t.dtype == k.dtype for t in same)
         if joint is not None and policy.kernel("RMSNorm", k, self.k_norm.weight) and (not policy.automatic or kernel_dtypes):
@@ -107,9 +121,8 @@ class DrafterAttention(nn.Module):
         cfg = self.cfg
         b, s, _ = x.shape
         heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q, k_blk, v_blk = project((self.q_proj, self.k_proj, self.v_proj), x, block.linear)
-        q = self.place(q.view(b, s, heads, d), k_blk.view(b, s, kv_heads, d), v_blk.view(b, s, kv_heads, d), block.rope,
-                       k_cache, v_cache, block.rows, block.slots)
+        parts, joint = self.project_heads((self.q_proj, self.k_proj, self.v_proj), x, block.linear)
+        q = self.place(parts, joint, block.rope, k_cache, v_cache, block.rows, block.slots)
         k, v = k_cache[:, : block.limit].transpose(1, 2), v_cache[:, : block.limit].transpose(1, 2)  # views, no copy
         # Grouped heads without repeating the keys: which keys a query sees does not depend on the
         # query (non-causal), so the query heads of one key head are rows of one attention
@@ -130,22 +143,6 @@ class BlockPass:
     limit: int  # keys read per request (the key_limit bound, or the whole capacity)
     seen: torch.Tensor  # bool [B, 1, 1, limit]: the keys each request's queries see (context + block)
     linear: object  # the GEMM, linear(x, weight) (Drafter._linear)
-
-
-def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """Tensors [..., H_i, d] as one [..., sum H_i, d] view when each one's heads follow the one
-    before's in memory with the same strides (split columns of one GEMM's output), else None."""
-    first = parts[0]
-    for a, b in zip(parts, parts[1:]):
-        if b.stride() != first.stride() or b.dtype != first.dtype or b.shape[:-2] != first.shape[:-2] or b.shape[-1] != first.shape[-1]:
-            return None
-        if b.data_ptr() != a.data_ptr() + a.shape[-2] * a.stride(-2) * a.element_size():
-            return None
-        # Adjacent is not enough: separate allocations can sit back to back (layers.joint_weight)
-        if b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return None
-    heads = sum(t.shape[-2] for t in parts)
-    return first.as_strided((*first.shape[:-2], heads, first.shape[-1]), first.stride())
 
 
 class DrafterLayer(nn.Module):
@@ -214,11 +211,10 @@ class Drafter(nn.Module):
         slots, positions = lengths[:, None] + steps, cache.next_positions(rows)[:, None] + steps
         rope = rope_tables(positions, self.cfg, ctx.dtype)
         row_index = rows[:, None].expand(b, c).contiguous()  # the kernel's layout, once for every layer
-        shape = (b, c, self.cfg.num_key_value_heads, self.cfg.head_dim)
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values):
             attn = layer.self_attn
-            k, v = project((attn.k_proj, attn.v_proj), ctx, linear)
-            attn.place(None, k.view(shape), v.view(shape), rope, k_cache, v_cache, row_index, slots)
+            parts, joint = attn.project_heads((attn.k_proj, attn.v_proj), ctx, linear)
+            attn.place(parts, joint, rope, k_cache, v_cache, row_index, slots)
         cache.lengths.index_add_(0, rows, counts.long())
 
     def forward(self, block_embeds: torch.Tensor, cache: DrafterCache, key_limit: int | None = None) -> torch.Tensor:

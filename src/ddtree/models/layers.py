@@ -61,16 +61,21 @@ def joint_weight(*linears: nn.Linear) -> torch.Tensor | None:
     return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
 
 
+def joint_output(linears: tuple[nn.Linear, ...], x: torch.Tensor, linear=F.linear) -> torch.Tensor | None:
+    """[..., sum out_i]: every projection of x [..., in] from one GEMM over the joint view
+    (joint_weight), or None when there is none."""
+    joint = joint_weight(*linears)
+    return None if joint is None else linear(x, joint)
+
+
 def project(linears: tuple[nn.Linear, ...], x: torch.Tensor, linear=F.linear) -> tuple[torch.Tensor, ...]:
     """(l(x) for l in linears) for x [..., in]: one GEMM over the joint view when there is one.
     `linear(x, weight)` computes it (ops/gemm.linear on a decode step's kernel path; it reads the
     weights only: projections with a bias take their modules)."""
-    joint = joint_weight(*linears)
+    joint = joint_output(linears, x, linear)
     if joint is None:  # the modules themselves, unless another GEMM was asked for
-        if linear is F.linear or any(m.bias is not None for m in linears):
-            return tuple(m(x) for m in linears)
-        return tuple(linear(x, m.weight) for m in linears)
-    return linear(x, joint).split([m.weight.shape[0] for m in linears], dim=-1)
+        return tuple(apply_linear(m, x, linear) for m in linears)
+    return joint.split([m.weight.shape[0] for m in linears], dim=-1)
 
 
 def apply_linear(module: nn.Linear, x: torch.Tensor, linear=F.linear) -> torch.Tensor:

@@ -5,7 +5,7 @@ one token per request, as `ar` does, with no model compute), this process as the
 the tokens/s here is the host's work per token across the core, the HTTP process and the clients:
 compare commits on one machine, in one run of each.
 
-    python dev/serving_host_cost.py --concurrency 8 32 64 --max-tokens 128
+    python dev/serving_host_cost.py --concurrency 8 32 64 --max-tokens 128 [--step-ms 0.5]
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from client_pool import ClientPool, ServerCpu  # noqa: E402
 TOKEN = 7  # what every canned step commits
 
 
-def build(max_batch: int):
-    """The demo pair's engine on the CPU, its device work canned (run in the core process)."""
+def build(max_batch: int, step_s: float = 0.0):
+    """The demo pair's engine on the CPU, its device work canned (run in the core process); each
+    round sleeps step_s (the device's time, the interpreter lock released)."""
     from ddtree import Engine
     from ddtree.engine.round import result_width
 
@@ -40,6 +41,8 @@ def build(max_batch: int):
         width = result_width(engine.max_depth, engine.moe_layers if plan.experts else 0, plan.paths)
         result = torch.full((plan.bucket, width), -1, dtype=torch.int64)
         result[:, 0], result[:, 1] = 1, TOKEN
+        if step_s:
+            time.sleep(step_s)
         return result
 
     engine.worker.round = round_
@@ -67,11 +70,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=None, help="requests per cell (default 2 c)")
     parser.add_argument("--client-processes", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="each canned round's sleep: the device time of a step (0: as fast as the host goes)")
     args = parser.parse_args()
     from ddtree.server.app import ServerConfig, create_app, engine_facts
     from ddtree.server.engine_core import EngineCore
 
-    core = EngineCore(functools.partial(build, max(args.concurrency)), engine_facts, max_queue=1 << 16)
+    core = EngineCore(functools.partial(build, max(args.concurrency), args.step_ms / 1e3), engine_facts, max_queue=1 << 16)
     core.launch()
     url, server = serve(create_app(core, ServerConfig(model_name="demo", default_mode="ar")))
     body = dict(model="demo", prompt="def f(x):", max_tokens=args.max_tokens, temperature=0.0, stream=True,

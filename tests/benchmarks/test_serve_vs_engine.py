@@ -17,13 +17,15 @@ import serve_vs_engine  # noqa: E402
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the server's readiness is polled with curl")
 def test_the_benchmark_writes_both_sides_and_the_bars(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["serve_vs_engine.py", "--device", "cpu", "--concurrency", "1", "2", "--modes", "ar",
-                                      "--max-tokens", "4", "--requests", "2", "--client-processes", "2",
+                                      "--max-tokens", "4", "--requests", "2", "--client-processes", "2", "--repeats", "2",
                                       "--out-dir", str(tmp_path)])
     serve_vs_engine.main()
     payload = json.loads(next(tmp_path.glob("serve_vs_engine-*.json")).read_text())
     row, pair = payload["rows"]
     assert [(r["mode"], r["concurrency"], r["server_errors"]) for r in (row, pair)] == [("ar", 1, 0), ("ar", 2, 0)]
     assert row["engine_decode_tokens_per_s"] > 0 and row["server_decode_tokens_per_s"] > 0
+    assert payload["repeats"] == 2 and len(row["server_decode_tokens_per_s_runs"]) == 2
+    assert row["server_decode_tokens_per_s"] in row["server_decode_tokens_per_s_runs"]
     assert row["server_tokens"] == pair["server_tokens"] == 8  # 2 requests a cell, EOS ignored: max_tokens made
     assert payload["bars"]["server_over_engine_min"] == pytest.approx(min(r["server_over_engine"] for r in (row, pair)))
     assert payload["bars"]["ttft_gap_ms_c1"] == pytest.approx(row["server_ttft_p50_ms"] - payload["engine_prefill_ms_c1"])

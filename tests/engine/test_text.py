@@ -88,3 +88,30 @@ def test_a_stop_string_before_half_a_character_ends_the_text_at_once(tokenizer):
     first = next(i for i, t in enumerate(ids) if text.add(t))  # a request stops at its hit
     assert tokenizer.decode(ids[: first + 1]).endswith("\ufffd")  # the hit came with half the '…'
     assert text.text == "x = " and text.delta(final=True) == "x = "
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stop", [(), ("= 1", "日本")])
+def test_extend_equals_adding_one_by_one(tokenizer, seed, stop):
+    """extend (the HTTP process's way, a chunk at a time) leaves every stream in the state add
+    leaves it token by token: text, window, path, stops and deltas, for chunks of any size."""
+    rng = random.Random(seed)
+    source = "x = 1 … def f(x):\n    return x * 2  # ✓ café 日本語 🎉 " * 2
+    ids = tokenizer(source)["input_ids"] if seed < 3 else [rng.randrange(tokenizer.vocab_size) for _ in range(120)]
+    one, many = TextStream(tokenizer, stop), TextStream(tokenizer, stop)
+    one_deltas, many_deltas, i = [], [], 0
+    while i < len(ids) and not many.stopped:
+        chunk = ids[i : i + rng.randrange(1, 9)]
+        taken = many.extend(chunk)
+        hits = [one.add(t) for t in chunk[:taken]]
+        assert hits == [False] * (taken - 1) + [many.stopped] and taken == len(chunk) or many.stopped
+        i += len(chunk)
+        final = many.stopped or i >= len(ids)
+        one_deltas.append(one.delta(final=final))
+        many_deltas.append(many.delta(final=final))
+        state = ("text", "tokens", "_prefix", "_read", "_sent", "_stopped")
+        assert [getattr(many, k) for k in state] == [getattr(one, k) for k in state]
+        assert (many._native is None) == (one._native is None)
+    assert many_deltas == one_deltas and "".join(many_deltas) == many.text
+    if not stop:
+        assert many.text == tokenizer.decode(ids, skip_special_tokens=True)

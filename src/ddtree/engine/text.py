@@ -50,17 +50,55 @@ class TextStream:
             return self._backend.decode(tokens, skip_special_tokens=True)
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the text."""
+        return self._stopped
+
     def add(self, token: int) -> bool:
         """Append one committed token; True when the text now contains a stop string (the text
         is then cut before its first occurrence)."""
         self.tokens.append(token)
-        if self._native is not None:
-            try:
-                new = self._native.step(self._backend, token)  # the same window as _unread_text's
-            except Exception:  # a tokenizer whose prefixes do not decode to prefixes: the Python path
-                self._native, new = None, None
-            if new is not None:
-                return self._append(new)
+        new = self._native_step(token) if self._native is not None else None
+        return self._append(new) if new is not None else self._add_held_back()
+
+    def extend(self, tokens) -> int:
+        """Append committed tokens in order, as add() one by one, until one completes a stop
+        string; returns how many were taken (all of them unless a stop string ended the text).
+        Without stop strings, the native decoder's text is joined once for all of them."""
+        if self.stop:
+            for i, token in enumerate(tokens):
+                if self.add(token):
+                    return i + 1
+            return len(tokens)
+        pieces = []
+        for i, token in enumerate(tokens):
+            if self._native is None:  # the Python path from here (it never stops: no stop strings)
+                self.text += "".join(pieces)
+                for rest in tokens[i:]:
+                    self.add(rest)
+                return len(tokens)
+            self.tokens.append(token)
+            new = self._native_step(token)
+            if new is None:  # held back or failed: add's Python path, with the text up to date
+                self.text += "".join(pieces)
+                pieces = []
+                self._add_held_back()
+                continue
+            pieces.append(new)
+            self._prefix, self._read = self._read, len(self.tokens)  # as _append moves the window
+        self.text += "".join(pieces)
+        return len(tokens)
+
+    def _native_step(self, token: int) -> str | None:
+        try:
+            return self._native.step(self._backend, token)  # the same window as _unread_text's
+        except Exception:  # a tokenizer whose prefixes do not decode to prefixes: the Python path
+            self._native = None
+            return None
+
+    def _add_held_back(self) -> bool:
+        """add() for a token the native decoder printed nothing for (or without it)."""
         new = self._unread_text()
         if not new or new.endswith("\ufffd"):
             # nothing printable yet (a special token, or half a character): but what is complete

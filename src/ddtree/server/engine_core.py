@@ -235,19 +235,33 @@ class EngineCore:
     async def _receive_in_loop(self) -> None:
         # ZeroMQ's descriptor signals that the socket's events may have changed (read them to rearm):
         # wait on it only when no message is ready, and at most POLL_MS (is the core still alive?)
-        loop, ready, fd = asyncio.get_running_loop(), asyncio.Event(), self._from_core.getsockopt(zmq.FD)
-        loop.add_reader(fd, ready.set)
+        # (a future and a timer, not wait_for: a turn reaches its streams one loop iteration
+        # after the descriptor wakes the loop)
+        loop, fd = asyncio.get_running_loop(), self._from_core.getsockopt(zmq.FD)
+        waiter = None
+
+        def wake() -> None:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        loop.add_reader(fd, wake)
         try:
             while not self._stopping.is_set():
                 try:
                     if not self._from_core.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                        ready.clear()
+                        waiter = loop.create_future()
+                        timer = loop.call_later(POLL_MS / 1000, wake)
                         try:
-                            await asyncio.wait_for(ready.wait(), POLL_MS / 1000)
-                        except asyncio.TimeoutError:
-                            pass
+                            await waiter
+                        finally:
+                            timer.cancel()
+                            waiter = None
                     if not self._receive_one(0):
                         return
+                    # the streams write what was routed before the next read: turns that came
+                    # meanwhile are then routed at once, each request's chunks joined (a busy
+                    # process sends fewer, larger events instead of falling behind)
+                    await asyncio.sleep(0)
                 except Exception:  # never let the task end silently: the requests would wait forever
                     if self._stopping.is_set():
                         return

@@ -16,6 +16,7 @@ import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from .errors import APIError, internal_error
 from .jobs import Accepted, Chunk, Failed, Job
@@ -120,7 +121,7 @@ class _ClosingStream(StreamingResponse):
     """A StreamingResponse that calls `on_close` however it ends: sent in full, the client gone
     mid-stream, or gone before the body's first iteration (then an async generator's own `finally`
     never runs, since it never started). A send the client does not take within `send_timeout_s`
-    (its socket buffers full: it reads nothing) ends it as if the client had gone."""
+    (its socket buffers full: it reads nothing) ends it as if the client had gone. HTTP only."""
 
     def __init__(self, content, on_close, send_timeout_s: float, **kwargs):
         super().__init__(content, **kwargs)
@@ -135,7 +136,11 @@ class _ClosingStream(StreamingResponse):
                 raise OSError("the client stopped reading its stream") from None
 
         try:
-            await super().__call__(scope, receive, timed_send)
+            # Starlette's way for ASGI 2.4 servers, whatever the server's version: without its
+            # listener task per response (the request's watcher, _watch, sees the disconnect)
+            await self.stream_response(timed_send)
+        except OSError:
+            raise ClientDisconnect() from None
         finally:
             self._on_close()
 

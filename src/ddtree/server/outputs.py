@@ -41,18 +41,24 @@ class TextOutputs:
     def process(self, request_id: str, chunk: Chunk) -> tuple[Chunk, bool]:
         """The core's chunk (token ids) as the client's: its text, the tokens kept, the count so
         far in its usage; True when a stop string ended the request here (the core must abort
-        it). A final chunk (or a stop) closes the request."""
+        it). A final chunk (or a stop) closes the request. `chunk` and its usage are this call's
+        to change (the receiver built them from the wire) and are returned changed."""
         output = self._open[request_id]
-        kept, stopped = [], False
-        for token in chunk.token_ids:
-            kept.append(token)
-            if output.text is not None and output.text.add(token):
-                stopped = True
-                break
-        output.produced += len(kept)
+        stream, tokens = output.text, chunk.token_ids
+        stopped = False
+        if stream is not None:
+            taken = stream.extend(tokens)
+            stopped = stream.stopped
+            if taken < len(tokens):
+                tokens = tokens[:taken]
+        output.produced += len(tokens)
         final = stopped or chunk.finish_reason is not None
-        text = output.text.delta(final=final) if output.text is not None else chunk.text
+        if stream is not None:
+            chunk.text = stream.delta(final=final)
         if final:
             self.close(request_id)
-        usage = chunk.usage.counted(output.produced)
-        return Chunk(text, len(kept), usage, "stop" if stopped else chunk.finish_reason, tuple(kept)), stopped
+        chunk.usage.completion_tokens = output.produced
+        chunk.num_tokens, chunk.token_ids = len(tokens), tokens
+        if stopped:
+            chunk.finish_reason = "stop"
+        return chunk, stopped

@@ -56,7 +56,7 @@ class ResponseShape:
             choice = self._event_head + delta
         else:
             choice = self._event_head + _dumps(text)
-        tail = ',"logprobs":null,"finish_reason":' + _dumps(finish_reason) + "}]"
+        tail = ',"logprobs":null,"finish_reason":' + ("null" if finish_reason is None else _dumps(finish_reason)) + "}]"
         if usage is not None:
             tail += ',"usage":' + _dumps(usage.as_dict())
         return f"data: {choice}{tail}}}\n\n".encode("utf-8")
@@ -67,8 +67,11 @@ class ResponseShape:
         return {**self._head(obj), "choices": [], "usage": usage.as_dict()}
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # one, not one per json.dumps call
+
+
 def _dumps(value) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(value)
 
 
 def sse(body: dict | str) -> bytes:

@@ -269,6 +269,7 @@ class Scheduler:
             return
         now = time.perf_counter()
         self.metrics.round_seconds.observe(now - start)
+        committed = 0
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:  # not ours (cannot happen through the server): do not let it leak
@@ -276,10 +277,12 @@ class Scheduler:
                     self._forget(out.request_id)
                 continue
             try:
-                self._deliver(live, out, now)
+                committed += self._deliver(live, out, now)
             except Exception:
                 log.exception("request %s: failed while delivering its tokens", out.request_id)
                 self._fail(out.request_id, internal_error(out.request_id))
+        if committed:
+            self.metrics.generated_tokens.inc(committed)  # once a step: an engine core sends each update
 
     def _fail_running(self) -> None:
         """After engine.step() raised: fail every request that was in the batch; requests the
@@ -295,7 +298,8 @@ class Scheduler:
         for rid in failed:
             self._fail(rid, internal_error(rid))
 
-    def _deliver(self, live: _Live, out, now: float) -> None:
+    def _deliver(self, live: _Live, out, now: float) -> int:
+        """Push the step's output to its request's handle; returns the tokens it committed."""
         rid = out.request_id
         if not live.started:
             live.started = True
@@ -305,7 +309,6 @@ class Scheduler:
             live.rounds += 1
         count = len(out.new_token_ids)
         live.produced += count
-        self.metrics.generated_tokens.inc(count)
         job = live.job
         sampled = bool(job.sampling.get("temperature"))  # greedy (temperature 0) draws no noise: no seed
         usage = Usage(live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
@@ -314,7 +317,7 @@ class Scheduler:
         tokens = tuple(out.new_token_ids)
         if not out.finished:
             live.handle.push(Chunk(out.new_text or "", count, usage, token_ids=tokens))
-            return
+            return count
         result = self.engine.take_result(rid)
         del self._live[rid]
         stats = result.stats
@@ -324,6 +327,7 @@ class Scheduler:
         self.metrics.tree_size.observe_counts(collections.Counter(stats.tree_sizes))
         self.metrics.request_seconds.observe(now - live.accepted_at)
         live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason, tokens))
+        return count
 
     def _publish(self) -> None:
         blocks = self.engine.blocks

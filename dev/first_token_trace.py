@@ -1,0 +1,155 @@
+"""Where a served request's first token spends its time: `ddtree serve`'s two processes (the demo
+pair, the engine core built as serve builds it) with marks at each hop, and one client process
+sending requests one at a time. Prints, per hop, the median time since the client sent.
+
+    python dev/first_token_trace.py --device cuda --requests 30 --mode ar
+
+Marks are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for every process on Linux), appended
+to one file; each costs a write, a few microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "dev"))
+
+LOG = os.environ.setdefault("DDTREE_TRACE_LOG", os.path.join(tempfile.mkdtemp(prefix="ddtree-trace-"), "marks"))
+
+CLIENT = r"""
+import sys, time, httpx
+log, url, n, mode = open(sys.argv[1], "a", buffering=1), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+body = dict(model="ddtree-demo", prompt="def fib(n):", max_tokens=8, temperature=0.0, stream=True, ignore_eos=True,
+            ddtree={"mode": mode} if mode == "ar" else {"mode": "ddtree", "budget": 16})
+with httpx.Client(timeout=60) as client:
+    for i in range(n + 3):  # the first three warm up
+        time.sleep(0.02)
+        log.write(f"{time.perf_counter_ns()} {i} client_send\n")
+        first = True
+        with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:") and first:
+                    log.write(f"{time.perf_counter_ns()} {i} client_first_event\n")
+                    first = False
+"""
+
+
+class Marks:
+    """Appends `time request-index name` lines; the request index counts submissions in this process."""
+
+    def __init__(self):
+        self.file = open(LOG, "a", buffering=1)
+        self.count = 0
+
+    def mark(self, name: str, index: int | None = None) -> None:
+        self.file.write(f"{time.perf_counter_ns()} {self.count - 1 if index is None else index} {name}\n")
+
+
+def wrap(marks: Marks, cls, name: str, label: str, first_only: bool = False, counts: bool = False) -> None:
+    original = getattr(cls, name)
+    seen: set[int] = set()
+
+    @functools.wraps(original)
+    def traced(*args, **kwargs):
+        if counts:
+            marks.count += 1
+        index = marks.count - 1
+        if not (first_only and index in seen):
+            marks.mark(f"{label}_in")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if not (first_only and index in seen):
+                marks.mark(f"{label}_out")
+                seen.add(index)
+
+    setattr(cls, name, traced)
+
+
+def traced_core_build(args):
+    """Runs in the engine-core process: serve's own build, then the core's hops marked."""
+    from ddtree.server import core_process
+    from ddtree.server.command import load_for_serving
+    from ddtree.server.scheduler import Scheduler
+
+    marks = Marks()
+    wrap(marks, Scheduler, "_accept", "core_accept", counts=True)
+    wrap(marks, Scheduler, "_step", "core_step", first_only=True)
+    to_wire = core_process.to_wire
+
+    def traced_to_wire(events):
+        if events:
+            marks.mark("core_send")
+        return to_wire(events)
+
+    core_process.to_wire = traced_to_wire
+    return load_for_serving(args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--mode", choices=["ar", "ddtree"], default="ar")
+    args = parser.parse_args()
+
+    from serving_host_cost import serve
+
+    from ddtree.cli import build_parser
+    from ddtree.server import handler, responses
+    from ddtree.server.app import ServerConfig, create_app
+    from ddtree.server.command import serving_facts
+    from ddtree.server.engine_core import EngineCore
+
+    serve_args = build_parser().parse_args(["serve", "--device", args.device, "--max-batch", "4"])
+    marks = Marks()
+    wrap(marks, EngineCore, "submit", "http_submit", counts=True)
+    wrap(marks, EngineCore, "_route", "http_route", first_only=True)
+    wrap(marks, responses.ResponseShape, "chunk_event", "http_first_event", first_only=True)
+    original_generate = handler.generate
+
+    async def traced_generate(*a, **k):
+        marks.mark("http_handler_in", marks.count)
+        return await original_generate(*a, **k)
+
+    handler.generate = traced_generate
+    import ddtree.server.app as app_module
+
+    app_module.generate = traced_generate
+    core = EngineCore(functools.partial(traced_core_build, serve_args), serving_facts, max_queue=64)
+    core.launch()
+    url, server = serve(create_app(core, ServerConfig(model_name="ddtree-demo", default_mode="ar")))
+    try:
+        open(LOG, "w").close()
+        subprocess.run([sys.executable, "-c", CLIENT, LOG, url, str(args.requests), args.mode], check=True)
+    finally:
+        server.should_exit = True
+        core.stop()
+    report(args.requests)
+
+
+def report(requests: int) -> None:
+    by_request: dict[int, dict[str, int]] = {}
+    for line in open(LOG):
+        t, index, name = line.split()
+        by_request.setdefault(int(index), {}).setdefault(name, int(t))
+    rows = [marks for i, marks in by_request.items() if i >= 3 and "client_send" in marks]
+    names = sorted({n for r in rows for n in r}, key=lambda n: statistics.median(r[n] - r["client_send"] for r in rows if n in r))
+    print(f"{len(rows)} requests; median ms after the client sent:")
+    for name in names:
+        got = [(r[name] - r["client_send"]) / 1e6 for r in rows if name in r]
+        print(f"  {name:22s} {statistics.median(got):7.3f}   (p90 {sorted(got)[int(0.9 * (len(got) - 1))]:.3f}, n {len(got)})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,8 @@
 """The request interface: add_request / step / abort, stops cut inside an accepted path, text
 and streaming, statistics, and errors that name what was wrong."""
 
+import random
+
 import pytest
 import torch
 
@@ -191,3 +193,46 @@ def test_request_state_and_abort_in_every_state(engine):
         engine.abort(rid)  # running or waiting
     assert not engine.has_unfinished()
     assert engine.blocks.num_free == free and engine.blocks.num_promised == 0
+
+
+def _commit_one_by_one(request, tokens):
+    """Request.commit's rule, token by token: the token is kept, then a stop token or a stop string
+    ends the request ("stop"), else max_new_tokens does ("length")."""
+    kept = []
+    for token in tokens:
+        kept.append(token)
+        request.output.append(token)
+        hit = request.text.add(token)
+        if token in request.stop_ids or hit:
+            request.finish_reason = "stop"
+        elif len(request.output) >= request.params.max_new_tokens:
+            request.finish_reason = "length"
+        if request.finished:
+            break
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_commit_keeps_what_the_token_by_token_rule_keeps(engine, seed):
+    """Request.commit (a path's tokens at once) against the rule token by token: a stop string, a
+    stop token, both, or max_new_tokens ending the request, inside paths of random lengths (seeds
+    0-3) or one path of every token (4-7)."""
+    from ddtree.engine.request import Request
+
+    rng = random.Random(seed)
+    ids = engine.tokenize("x = compute(alpha, beta) + 1  # ✓ café 日本語\nprint(x)" * 2)
+    max_new = rng.randrange(8, len(ids))
+    kind = ("string", "token", "both", "length")[seed % 4]
+    stop_ids = frozenset({ids[rng.randrange(2, max_new)]}) if kind in ("token", "both") else frozenset()
+    text = engine.tokenizer.decode(ids[:max_new])
+    start = rng.randrange(len(text) - 3)
+    stop = (text[start : start + rng.randrange(1, 4)],) if kind in ("string", "both") else ()
+    params = SamplingParams(max_new_tokens=max_new, stop=stop)
+    one, many = (Request("r", [1], params, "ar", 1, 0, stop_ids, engine.tokenizer) for _ in range(2))
+    i = 0
+    while not many.finished:
+        path = ids[i : i + (rng.randrange(1, 9) if seed < 4 else len(ids))]
+        assert many.commit(path) == _commit_one_by_one(one, path)
+        assert (many.output, many.finish_reason, many.text.text) == (one.output, one.finish_reason, one.text.text)
+        i += len(path)
+    assert many.finish_reason == ("length" if kind == "length" else "stop")

@@ -133,18 +133,24 @@ class Request:
     def commit(self, tokens: list[int]) -> list[int]:
         """Append tokens committed by the target, stopping at a stop token, a stop string or
         max_new_tokens; returns the tokens kept (the rest of the path is discarded)."""
-        kept = []
-        for token in tokens:
-            kept.append(token)
-            self.output.append(token)
-            hit_string = self.text.add(token) if self.text is not None else False
-            if token in self.stop_ids or hit_string:
-                self.finish_reason = "stop"
-            elif len(self.output) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
-            if self.finished:
-                self.ended = time.perf_counter()
-                break
+        kept = tokens[: self.params.max_new_tokens - len(self.output)]
+        if not kept:
+            return kept
+        stop_token = next((i for i, token in enumerate(kept) if token in self.stop_ids), None)
+        if stop_token is not None:
+            kept = kept[: stop_token + 1]
+        stopped = stop_token is not None
+        if self.text is not None:  # the text of every token kept, up to the one that completes a stop string
+            taken = self.text.extend(kept)
+            if self.text.stopped:
+                kept, stopped = kept[:taken], True
+        self.output.extend(kept)
+        if stopped:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finished:
+            self.ended = time.perf_counter()
         return kept
 
     def step_output(self, kept: list[int]) -> StepOutput:

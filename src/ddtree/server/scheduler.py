@@ -269,7 +269,10 @@ class Scheduler:
             return
         now = time.perf_counter()
         self.metrics.round_seconds.observe(now - start)
-        committed = 0
+        # counted once a step (an engine core sends each update), before the chunks that hold them go out
+        committed = sum(len(out.new_token_ids) for out in outputs if out.request_id in self._live)
+        if committed:
+            self.metrics.generated_tokens.inc(committed)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:  # not ours (cannot happen through the server): do not let it leak
@@ -277,12 +280,10 @@ class Scheduler:
                     self._forget(out.request_id)
                 continue
             try:
-                committed += self._deliver(live, out, now)
+                self._deliver(live, out, now)
             except Exception:
                 log.exception("request %s: failed while delivering its tokens", out.request_id)
                 self._fail(out.request_id, internal_error(out.request_id))
-        if committed:
-            self.metrics.generated_tokens.inc(committed)  # once a step: an engine core sends each update
 
     def _fail_running(self) -> None:
         """After engine.step() raised: fail every request that was in the batch; requests the
@@ -298,8 +299,8 @@ class Scheduler:
         for rid in failed:
             self._fail(rid, internal_error(rid))
 
-    def _deliver(self, live: _Live, out, now: float) -> int:
-        """Push the step's output to its request's handle; returns the tokens it committed."""
+    def _deliver(self, live: _Live, out, now: float) -> None:
+        """Push the step's output to its request's handle."""
         rid = out.request_id
         if not live.started:
             live.started = True
@@ -317,7 +318,7 @@ class Scheduler:
         tokens = tuple(out.new_token_ids)
         if not out.finished:
             live.handle.push(Chunk(out.new_text or "", count, usage, token_ids=tokens))
-            return count
+            return
         result = self.engine.take_result(rid)
         del self._live[rid]
         stats = result.stats
@@ -327,7 +328,6 @@ class Scheduler:
         self.metrics.tree_size.observe_counts(collections.Counter(stats.tree_sizes))
         self.metrics.request_seconds.observe(now - live.accepted_at)
         live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason, tokens))
-        return count
 
     def _publish(self) -> None:
         blocks = self.engine.blocks

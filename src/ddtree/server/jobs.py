@@ -49,12 +49,6 @@ class Usage:
     mean_acceptance_length: float = 0.0
     seed: int | None = None
 
-    def counted(self, completion_tokens: int) -> Usage:
-        """This usage with another completion count (dataclasses.replace's result, at a fraction of
-        its cost: the HTTP process makes one per chunk)."""
-        return Usage(self.prompt_tokens, completion_tokens, self.mode, self.budget, self.rounds,
-                     self.mean_acceptance_length, self.seed)
-
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,

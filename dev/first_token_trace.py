@@ -105,8 +105,9 @@ def main() -> None:
 
     from serving_host_cost import serve
 
+    import ddtree.server.app as app_module
     from ddtree.cli import build_parser
-    from ddtree.server import handler, responses
+    from ddtree.server import responses
     from ddtree.server.app import ServerConfig, create_app
     from ddtree.server.command import serving_facts
     from ddtree.server.engine_core import EngineCore
@@ -116,14 +117,11 @@ def main() -> None:
     wrap(marks, EngineCore, "submit", "http_submit", counts=True)
     wrap(marks, EngineCore, "_route", "http_route", first_only=True)
     wrap(marks, responses.ResponseShape, "chunk_event", "http_first_event", first_only=True)
-    original_generate = handler.generate
+    original_generate = app_module.generate  # the app calls its own reference to handler.generate
 
     async def traced_generate(*a, **k):
         marks.mark("http_handler_in", marks.count)
         return await original_generate(*a, **k)
-
-    handler.generate = traced_generate
-    import ddtree.server.app as app_module
 
     app_module.generate = traced_generate
     core = EngineCore(functools.partial(traced_core_build, serve_args), serving_facts, max_queue=64)

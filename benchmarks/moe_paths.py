@@ -9,7 +9,8 @@ and against the floors.
     python benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 2080 --tiles auto,64x128x64w8,64x128x64w8s2
         # a tile's w / s suffix: the launches' warps and pipeline stages (ops/moe.py's NUM_WARPS and
         # NUM_STAGES, moe_int4.INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word
-        # or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py)
+        # or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py); :pairs-ws: in pairs with
+        # the scales loaded one per word (INT4_SCALE_PAIRS off)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
@@ -49,17 +50,18 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
 
 
-TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|pairs))?")
+TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|pairs-ws|pairs))?")
 
 
 def parse_tile(text: str):
     """None for "auto", else (M, N, K, warps or None, stages or None, INT4 unpacking or None) from
-    "MxNxK[wW][sS][:word|:pairs]" (ops/moe_int4.py's INT4_UNPACK, ops/int4_tiles.py)."""
+    "MxNxK[wW][sS][:word|:pairs|:pairs-ws]" (ops/moe_int4.py's INT4_UNPACK and INT4_SCALE_PAIRS,
+    ops/int4_tiles.py)."""
     if text == "auto":
         return None
     match = TILE.fullmatch(text)
     if match is None:
-        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:pairs] "
+        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:pairs|:pairs-ws] "
                          "(e.g. 64x128x64w8s2:pairs)")
     *numbers, unpack = match.groups()
     return (*(int(v) if v else None for v in numbers), unpack)
@@ -77,15 +79,17 @@ def tile_name(tile) -> str:
 def launch_settings(warps: int | None, stages: int | None, unpack: str | None = None):
     """ops/moe.py's and moe_int4.py's launch constants set to these (None: as they are) while the
     block runs."""
-    saved = moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK
+    saved = moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK, moe_int4.INT4_SCALE_PAIRS
     moe.NUM_WARPS = warps or saved[0]
     moe_int4.INT4_ROWS_WARPS = warps or saved[1]
     moe.NUM_STAGES = stages or saved[2]
-    moe_int4.INT4_UNPACK = unpack or saved[3]
+    moe_int4.INT4_UNPACK = unpack.removesuffix("-ws") if unpack else saved[3]
+    moe_int4.INT4_SCALE_PAIRS = saved[4] if unpack is None else not unpack.endswith("-ws")
     try:
         yield
     finally:
-        moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK = saved
+        (moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK,
+         moe_int4.INT4_SCALE_PAIRS) = saved
 
 
 def moe_layer(name: str) -> MoE:

@@ -128,6 +128,60 @@ def test_int4_tiles_unpacked_in_pairs_equal_those_unpacked_by_word(case, dtype, 
         assert torch.equal(runs[0], runs[1]), "both unpackings give the same 16-bit weights, multiplied the same way"
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=["masked-k", "even-k"])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_scales_loaded_two_groups_to_a_word_equal_those_loaded_per_word(case, block_m, kernel_device, monkeypatch):
+    """int4_tiles._scale_pairs (int32 words of two bf16 scales, split in registers) gives the tiles the
+    same scales as one load per word: the same bits out, steps past the end masked alike."""
+    x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device)
+    shared = make_shared(case, 1, torch.bfloat16, kernel_device)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(moe_int4, "INT4_SCALE_PAIRS", on)
+        ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, torch.bfloat16,
+                             kernel_device, block_m=block_m, num_shared=1)
+        for buf in (ws.h, ws.y):
+            buf.fill_(float("nan"))
+        runs.append(fused_moe(x, gate_up, down, weights, ids, shared=shared, workspace=ws, block_m=block_m))
+        unpack = moe_int4.int4_unpack(x, gate_up, down)
+        assert moe_int4.scale_pairs(unpack, gate_up, down, INT4_TILES[1]) == on
+    assert not runs[1].isnan().any()
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_scale_pairs_read_nothing_past_a_steps_last_group(kernel_device):
+    """K steps past the end (48 and 32 columns, steps of 128): each tensor's scales sit in a buffer
+    whose tail is NaN, so a pair read past the last row's groups would put a NaN in the output."""
+    case = Case(4, 2, 7, 48, 32, route="all", seed=15)  # every expert used, the last one included
+    x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device)
+
+    def nan_tailed(w: PackedInt4) -> PackedInt4:
+        buf = torch.full((w.scale.numel() + 64,), float("nan"), dtype=w.scale.dtype, device=w.scale.device)
+        buf[: w.scale.numel()] = w.scale.flatten()
+        return PackedInt4(w.packed, buf[: w.scale.numel()].view_as(w.scale), w.group_size)
+
+    want = fused_moe(x, gate_up, down, weights, ids, block_m=16)
+    tailed_up, tailed_down = nan_tailed(gate_up), nan_tailed(down)
+    assert moe_int4.scale_pairs(moe_int4.int4_unpack(x, gate_up, down), tailed_up, tailed_down, INT4_TILES[1])
+    got = fused_moe(x, tailed_up, tailed_down, weights, ids, block_m=16)
+    assert not got.isnan().any()
+    assert torch.equal(got, want)
+
+
+def test_scales_load_per_word_where_a_pair_could_straddle_a_row(kernel_device):
+    """An odd number of groups per row (CASES[1]'s down weight: 24 columns in groups of 8), a group
+    wider than half the K step, or float32 scales: one load per word."""
+    x, gate_up, down, weights, ids = int4_experts(CASES[1], torch.bfloat16, kernel_device)
+    unpack = moe_int4.int4_unpack(x, gate_up, down)
+    assert down.scale.shape[-1] == 3 and not moe_int4.scale_pairs(unpack, gate_up, down, INT4_TILES[1])
+    x, gate_up, down, weights, ids = int4_experts(CASES[3], torch.bfloat16, kernel_device)
+    assert moe_int4.scale_pairs(unpack, gate_up, down, 128)
+    assert not moe_int4.scale_pairs(unpack, gate_up, down, 8)  # one group per K step
+    assert not moe_int4.scale_pairs("word", gate_up, down, 128)
+    as_float = PackedInt4(down.packed, down.scale.float(), down.group_size)
+    assert not moe_int4.scale_pairs(unpack, gate_up, as_float, 128)
+
+
 def test_an_unknown_int4_unpacking_is_refused(kernel_device, monkeypatch):
     x, gate_up, down, weights, ids = int4_experts(CASES[1], torch.bfloat16, kernel_device)
     monkeypatch.setattr(moe_int4, "INT4_UNPACK", "pair")

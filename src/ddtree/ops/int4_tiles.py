@@ -15,6 +15,11 @@ expert the unpacking, not the tensor cores, bounds the kernel, so there are two 
 
 A third, each element of the tile loading its own word, ran slowest of the three on an H100
 (results/moe_paths-kimi-k2.6-int4-unpack-nvidia-h100.md) and was removed.
+
+The group scales of a step are few (a [BLOCK_N, BLOCK_K / GROUP] tile) and 16 bits each: loaded one
+per word, or one per group, a thread's share is under the 4 bytes an asynchronous copy moves, so the
+pipeliner leaves the load in the step that uses it and every step waits on memory. With SCALE_PAIRS
+they load as int32 words of two adjacent groups' scales, which it copies ahead like the weights.
 """
 
 from __future__ import annotations
@@ -75,14 +80,33 @@ def _pairs(words, scale, PTX: tl.constexpr):
 
 
 @triton.jit
+def _scale_pairs(scale_ptr, rows, k0, depth, col_ok, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """Each of the step's words' bf16 group scale, [BLOCK_K / 8, BLOCK_N], read as int32 words that
+    hold groups 2j (low half) and 2j + 1 (high half) of a row. Needs GROUP to divide BLOCK_K at least
+    twice and an even number of groups per row (stride_sn), so that no word straddles a row's end."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pair = tl.multiple_of(k0 // (2 * GROUP), GROUPS // 2) + tl.arange(0, GROUPS // 2)
+    mask = col_ok[:, None] & (pair * (2 * GROUP) < depth)[None, :]
+    both = tl.load(scale_ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_sn // 2) + pair[None, :], mask=mask,
+                   other=0)  # [BLOCK_N, GROUPS / 2]
+    low = (both & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    high = (both >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    scale = tl.trans(tl.reshape(tl.join(low, high), (BLOCK_N, GROUPS)))  # [GROUPS, BLOCK_N]
+    return tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, WORDS // GROUPS, BLOCK_N)), (WORDS, BLOCK_N))
+
+
+@triton.jit
 def int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, DTYPE,
-              UNPACK: tl.constexpr):
+              UNPACK: tl.constexpr, SCALE_PAIRS: tl.constexpr = False):
     """W[k0 + i, n] for i < BLOCK_K and output rows offs_n [BLOCK_N] of one expert's INT4 weight
     (pointers at its [out, in / 8] words and [out, in / GROUP] scales), [BLOCK_K, BLOCK_N] in DTYPE,
     unpacked as UNPACK says ("word", "pairs" or "pairs_plain": the module's docstring). GROUP is a
     multiple of 8, so a word's 8 columns share their scale. EVEN_K: depth is a multiple of BLOCK_K,
-    so no column is masked and the words load as 16-byte vectors."""
+    so no column is masked and the words load as 16-byte vectors. SCALE_PAIRS (pairs only; see
+    moe_int4.scale_pairs for when it holds): the scales load two groups to a word (_scale_pairs)."""
     WORDS: tl.constexpr = BLOCK_K // 8
     word = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
     if EVEN_K:
@@ -93,8 +117,11 @@ def int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, strid
     if UNPACK == "pairs" or UNPACK == "pairs_plain":  # loaded [WORDS, BLOCK_N]: joined in the tile's order
         t_mask = tl.trans(mask)
         t_words = tl.load(packed_ptr + tl.trans(rows) * stride_pn + word[:, None], mask=t_mask, other=0)
-        t_scale = tl.load(scale_ptr + tl.trans(rows) * stride_sn + (word * 8 // GROUP)[:, None], mask=t_mask,
-                          other=0.0)
+        if SCALE_PAIRS:
+            t_scale = _scale_pairs(scale_ptr, rows, k0, depth, col_ok, stride_sn, BLOCK_N, BLOCK_K, GROUP)
+        else:
+            t_scale = tl.load(scale_ptr + tl.trans(rows) * stride_sn + (word * 8 // GROUP)[:, None], mask=t_mask,
+                              other=0.0)
         values = _pairs(t_words, t_scale, UNPACK == "pairs")  # [WORDS, BLOCK_N, 2, 2, 2]
         tile = tl.reshape(tl.permute(values, (0, 2, 3, 4, 1)), (BLOCK_K, BLOCK_N))
     else:

@@ -278,9 +278,11 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
     # without shared experts their branch never runs, but it compiles: a stand-in of the activations' dtype
     gate, up, down = (shared.gate, shared.up, shared.down) if shared is not None else (x,) * 3
     block_expert = ws.block_expert if block_expert is None else block_expert
+    unpack = moe_int4.int4_unpack(x, w_gate_up, w_down) if int4 else "word"
     flags = dict(**dot_flags(x.dtype), DIRECT=direct, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
-                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0,
-                 UNPACK=moe_int4.int4_unpack(x, w_gate_up, w_down) if int4 else "word", **launch_flags(x.device, pdl))
+                 EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, UNPACK=unpack,
+                 SCALE_PAIRS=int4 and moe_int4.scale_pairs(unpack, w_gate_up, w_down, block_k),
+                 **launch_flags(x.device, pdl))
     tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],

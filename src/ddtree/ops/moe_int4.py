@@ -28,6 +28,9 @@ INT4_ROWS_WARPS = 2
 # says what runs). Pairs ran faster than word at 544 rows on an H100, and than the row kernels at
 # 1 to 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md, -unpack-).
 INT4_UNPACK = "pairs"
+# Whether the pairs tiles load their group scales two to an int32 word where they can (scale_pairs):
+# False loads one per word, a load the pipeliner cannot copy ahead (int4_tiles.py).
+INT4_SCALE_PAIRS = True
 SHARED_M = 16  # tokens per shared-expert program beside the row kernels (tl.dot's minimum)
 
 
@@ -63,6 +66,16 @@ def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> s
     if not x.dtype == w_gate_up.scale.dtype == w_down.scale.dtype == torch.bfloat16:
         return "word"
     return "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
+
+
+def scale_pairs(unpack: str, w_gate_up: PackedInt4, w_down: PackedInt4, block_k: int) -> bool:
+    """Whether the tl.dot tiles (unpacked as `unpack`) load their scales as int32 words of two groups
+    (int4_tiles._scale_pairs): INT4_SCALE_PAIRS, bf16 scales unpacked in pairs, the group size
+    dividing block_k at least twice, an even number of groups per row and 4-byte aligned scales."""
+    group = w_gate_up.group_size
+    return (INT4_SCALE_PAIRS and unpack in ("pairs", "pairs_plain") and block_k % (2 * group) == 0
+            and all(w.scale.dtype == torch.bfloat16 and w.scale.shape[-1] % 2 == 0 and w.scale.data_ptr() % 4 == 0
+                    for w in (w_gate_up, w_down)))
 
 
 def launch_rows(x, w_gate_up: PackedInt4, w_down: PackedInt4, weights, blocks, block_expert, ws, routed_blocks,

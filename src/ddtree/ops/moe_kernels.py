@@ -45,7 +45,8 @@ def _swiglu_tile(x_ptrs, gate_ptrs, up_ptrs, w_step, row_ok, col_ok, hidden,
 @triton.jit
 def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok, hidden, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, UNPACK: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, UNPACK: tl.constexpr,
+                    SCALE_PAIRS: tl.constexpr):
     """_swiglu_tile with an INT4 expert: gate rows offs_n, up rows inter + offs_n; dtype: x's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -53,10 +54,10 @@ def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + offs_k < hidden)[None, :], other=0.0)
         gate = int4_tile(packed_ptr, scale_ptr, offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
-                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK)
+                          BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK, SCALE_PAIRS)
         acc_gate = dot(a, gate, acc_gate, DOT_F32, PRECISION)
         up = int4_tile(packed_ptr, scale_ptr, inter + offs_n, k0, hidden, col_ok, stride_pn, stride_sn,
-                        BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK)
+                        BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK, SCALE_PAIRS)
         acc_up = dot(a, up, acc_up, DOT_F32, PRECISION)
         x_ptrs += BLOCK_K
     return acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -65,14 +66,15 @@ def _swiglu_tile_w4(x_ptrs, packed_ptr, scale_ptr, offs_n, inter, row_ok, col_ok
 @triton.jit
 def _matmul_tile_w4(a_ptrs, packed_ptr, scale_ptr, offs_n, row_ok, col_ok, depth, stride_pn, stride_sn, dtype,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, UNPACK: tl.constexpr):
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, UNPACK: tl.constexpr,
+                    SCALE_PAIRS: tl.constexpr):
     """launch.matmul_tile with an INT4 expert weight [out, depth]; dtype: a's."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, depth, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k < depth)[None, :], other=0.0)
         w = int4_tile(packed_ptr, scale_ptr, offs_n, k0, depth, col_ok, stride_pn, stride_sn,
-                       BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK)
+                       BLOCK_N, BLOCK_K, GROUP, EVEN_K, dtype, UNPACK, SCALE_PAIRS)
         acc = dot(a, w, acc, DOT_F32, PRECISION)
         a_ptrs += BLOCK_K
     return acc
@@ -141,11 +143,12 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
     W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
-    UNPACK: tl.constexpr = "word",
+    UNPACK: tl.constexpr = "word", SCALE_PAIRS: tl.constexpr = False,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
     W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
-    row), scale_ptr its scales (stride_se, stride_sn); EVEN_K: hidden and inter are multiples of BLOCK_K."""
+    row), scale_ptr its scales (stride_se, stride_sn); EVEN_K: hidden and inter are multiples of BLOCK_K;
+    UNPACK and SCALE_PAIRS: how the tiles unpack and load their scales (int4_tiles.int4_tile)."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,7 +164,7 @@ def gate_up_kernel(
                 e = expert.to(tl.int64)
                 h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
                                     col_ok, hidden, stride_wk, stride_sn, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
-                                    BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION, UNPACK)
+                                    BLOCK_K, GROUP, EVEN_K, DOT_F32, PRECISION, UNPACK, SCALE_PAIRS)
             else:
                 gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 h = _swiglu_tile(x_ptrs, gate_ptrs, gate_ptrs + inter, BLOCK_K * stride_wk, row_ok, col_ok, hidden,
@@ -182,7 +185,7 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
     W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
-    UNPACK: tl.constexpr = "word",
+    UNPACK: tl.constexpr = "word", SCALE_PAIRS: tl.constexpr = False,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared.
     W4: w_ptr is the packed int32 [E, hidden, inter / 8], scale_ptr its scales (as gate_up_kernel)."""
@@ -201,7 +204,7 @@ def down_kernel(
                 e = expert.to(tl.int64)
                 acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,
                                       inter, stride_wk, stride_sn, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      GROUP, EVEN_K, DOT_F32, PRECISION, UNPACK)
+                                      GROUP, EVEN_K, DOT_F32, PRECISION, UNPACK, SCALE_PAIRS)
             else:
                 w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :]
                 acc = matmul_tile(h_ptrs, w_ptrs, BLOCK_K, BLOCK_K * stride_wk, row_ok, col_ok, inter,

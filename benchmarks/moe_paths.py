@@ -131,9 +131,9 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
             m, n, k, warps, stages, unpack = tile or (None,) * 6
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
             with launch_settings(warps, stages, unpack):
-                rows = int4 and moe_int4.int4_row_kernels(x, *experts)  # as fused_moe decides under these settings
+                row_kernels = int4 and moe_int4.int4_row_kernels(x, *experts)  # as fused_moe decides here
                 spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m,
-                                          row_kernels=rows) for p in parts]
+                                          row_kernels=row_kernels) for p in parts]
 
                 def run(m=m, n=n, k=k, parts=parts, spaces=spaces):
                     for p, ws in zip(parts, spaces):

@@ -10,7 +10,8 @@ and against the floors.
         # a tile's w / s suffix: the launches' warps and pipeline stages (ops/moe.py's NUM_WARPS and
         # NUM_STAGES, moe_int4.INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word
         # or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py); :pairs-ws: in pairs with
-        # the scales loaded one per word (INT4_SCALE_PAIRS off)
+        # the scales loaded one per word (INT4_SCALE_PAIRS off); :gi: the experts in the group-interleaved
+        # order (ops/int4.interleave_int4, ops/int4_interleaved.py; their K tile is 256 whatever K says)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
@@ -42,6 +43,7 @@ from ddtree.models.checkpoint import init_random  # noqa: E402
 from ddtree.models.layers import MoE  # noqa: E402
 from ddtree.ops import KernelPolicy  # noqa: E402
 from ddtree.ops import moe, moe_int4  # noqa: E402
+from ddtree.ops.int4 import interleave_int4  # noqa: E402
 from ddtree.ops.moe import Workspace, fused_moe  # noqa: E402
 from ddtree.ops.moe_grouped import grouped_moe  # noqa: E402
 from ddtree.ops.moe_align import token_chunks  # noqa: E402
@@ -50,18 +52,18 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
 
 
-TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|pairs-ws|pairs))?")
+TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|pairs-ws|pairs|gi))?")
 
 
 def parse_tile(text: str):
     """None for "auto", else (M, N, K, warps or None, stages or None, INT4 unpacking or None) from
-    "MxNxK[wW][sS][:word|:pairs|:pairs-ws]" (ops/moe_int4.py's INT4_UNPACK and INT4_SCALE_PAIRS,
-    ops/int4_tiles.py)."""
+    "MxNxK[wW][sS][:word|:pairs|:pairs-ws|:gi]" (ops/moe_int4.py's INT4_UNPACK and INT4_SCALE_PAIRS,
+    ops/int4_tiles.py; gi: interleaved experts)."""
     if text == "auto":
         return None
     match = TILE.fullmatch(text)
     if match is None:
-        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:pairs|:pairs-ws] "
+        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:pairs|:pairs-ws|:gi] "
                          "(e.g. 64x128x64w8s2:pairs)")
     *numbers, unpack = match.groups()
     return (*(int(v) if v else None for v in numbers), unpack)
@@ -83,8 +85,8 @@ def launch_settings(warps: int | None, stages: int | None, unpack: str | None = 
     moe.NUM_WARPS = warps or saved[0]
     moe_int4.INT4_ROWS_WARPS = warps or saved[1]
     moe.NUM_STAGES = stages or saved[2]
-    moe_int4.INT4_UNPACK = unpack.removesuffix("-ws") if unpack else saved[3]
-    moe_int4.INT4_SCALE_PAIRS = saved[4] if unpack is None else not unpack.endswith("-ws")
+    moe_int4.INT4_UNPACK = unpack.removesuffix("-ws") if unpack in ("word", "pairs", "pairs-ws") else saved[3]
+    moe_int4.INT4_SCALE_PAIRS = saved[4] if unpack in (None, "gi") else not unpack.endswith("-ws")
     try:
         yield
     finally:
@@ -109,6 +111,8 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
     expert_bytes = sum(p.numel() * p.element_size() for p in stored) / e
     experts = layer.experts()
     int4 = layer.int4 is not None
+    gi = any(tile and tile[5] == "gi" for tile in tiles)
+    interleaved = tuple(interleave_int4(w) for w in experts) if int4 and gi else None
     rows = []
     for t in tokens:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
@@ -130,14 +134,17 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
             # auto: fused_moe's own choice (block_m_for, tiles_for)
             m, n, k, warps, stages, unpack = tile or (None,) * 6
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
+            weights_of_tile = interleaved if unpack == "gi" else experts
+            if weights_of_tile is None:
+                raise SystemExit(f"--tiles {tile_name(tile)}: :gi takes INT4 experts only")
             with launch_settings(warps, stages, unpack):
-                row_kernels = int4 and moe_int4.int4_row_kernels(x, *experts)  # as fused_moe decides here
+                row_kernels = int4 and moe_int4.int4_row_kernels(x, *weights_of_tile)  # as fused_moe decides here
                 spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m,
                                           row_kernels=row_kernels) for p in parts]
 
-                def run(m=m, n=n, k=k, parts=parts, spaces=spaces):
+                def run(m=m, n=n, k=k, parts=parts, spaces=spaces, w=weights_of_tile):
                     for p, ws in zip(parts, spaces):
-                        fused_moe(x[p], *experts, weights[p], ids[p], out=out[p], workspace=ws, block_m=m,
+                        fused_moe(x[p], *w, weights[p], ids[p], out=out[p], workspace=ws, block_m=m,
                                   block_n=n, block_k=k)
 
                 out.fill_(float("nan"))

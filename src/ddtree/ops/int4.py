@@ -15,16 +15,20 @@ from dataclasses import dataclass
 import torch
 
 VALUES_PER_WORD = 8
+# The group-interleaved order (interleave_int4): blocks of this many columns, groups of this size.
+INTERLEAVE_BLOCK, INTERLEAVE_GROUP = 256, 32
 
 
 @dataclass
 class PackedInt4:
     """The INT4 weights of a stack of Linears (E experts): packed int32 [..., out, in / 8] and
-    scale [..., out, in / group_size] (a 16-bit or 32-bit float), both contiguous."""
+    scale [..., out, in / group_size] (a 16-bit or 32-bit float), both contiguous. interleaved:
+    the words hold their values in interleave_int4's order, not compressed-tensors'."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     group_size: int
+    interleaved: bool = False
 
     @property
     def out_features(self) -> int:
@@ -43,6 +47,9 @@ class PackedInt4:
             raise ValueError(f"{name}: {in_} input columns must be a multiple of 8 and of group_size={g}")
         if g % VALUES_PER_WORD:  # the kernels read one scale per packed word
             raise ValueError(f"{name}: group_size={g} must be a multiple of 8")
+        if self.interleaved and (g != INTERLEAVE_GROUP or in_ % INTERLEAVE_BLOCK):
+            raise ValueError(f"{name}: interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a "
+                             f"multiple of {INTERLEAVE_BLOCK}, got {g} and {in_}")
         if self.packed.dtype != torch.int32 or tuple(self.packed.shape) != want_packed:
             raise ValueError(f"{name}.packed must be int32 {list(want_packed)}, got {self.packed.dtype} "
                              f"{list(self.packed.shape)}")
@@ -73,9 +80,43 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return (nibbles << shifts).sum(-1, dtype=torch.int32)  # disjoint bits: the sum is the OR
 
 
+def interleave_order(device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [INTERLEAVE_BLOCK]: the column, within its block, of value v = 8 w + i (word w, bits
+    4i .. 4i + 3) of the group-interleaved order. Nibbles i and i + 4 of word w hold columns 2c and
+    2c + 1 (c = w % 16) of group 4 (w // 16) + i % 4: one lop3 makes them one register of a K-pair,
+    and each group is one K = 32 slice (int4_interleaved.py)."""
+    v = torch.arange(INTERLEAVE_BLOCK, device=device)
+    word, i = v // VALUES_PER_WORD, v % VALUES_PER_WORD
+    return INTERLEAVE_GROUP * (4 * (word // 16) + i % 4) + 2 * (word % 16) + i // 4
+
+
+def interleave_int4(weights: PackedInt4) -> PackedInt4:
+    """The same weights in the group-interleaved order (interleave_order): a permutation of each
+    block's values, the scales unchanged. Needs group_size 32 and input columns a multiple of 256."""
+    if weights.interleaved:
+        return weights
+    if weights.group_size != INTERLEAVE_GROUP or weights.in_features % INTERLEAVE_BLOCK:
+        raise ValueError(f"interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a multiple of "
+                         f"{INTERLEAVE_BLOCK}, got {weights.group_size} and {weights.in_features}")
+    q = unpack_int4(weights.packed).unflatten(-1, (-1, INTERLEAVE_BLOCK))
+    order = interleave_order(q.device)
+    return PackedInt4(pack_int4(q[..., order].flatten(-2)).contiguous(), weights.scale, weights.group_size, True)
+
+
+def _values(weights: PackedInt4) -> torch.Tensor:
+    """int8 [..., out, in] in column order, whichever order the words hold them in."""
+    q = unpack_int4(weights.packed)
+    if not weights.interleaved:
+        return q
+    blocks = q.unflatten(-1, (-1, INTERLEAVE_BLOCK))
+    columns = torch.empty_like(blocks)
+    columns[..., interleave_order(q.device)] = blocks
+    return columns.flatten(-2)
+
+
 def dequantize_int4(weights: PackedInt4, dtype: torch.dtype) -> torch.Tensor:
     """[..., out, in] in `dtype`: q * scale, in float32, rounded once."""
-    q = unpack_int4(weights.packed).float()
+    q = _values(weights).float()
     scale = weights.scale.float().repeat_interleave(weights.group_size, dim=-1)
     return (q * scale).to(dtype)
 

@@ -205,7 +205,11 @@ def fused_moe(
     if block_m < 16 and not int4:
         raise ValueError(f"block_m must be a power of two >= 16 (tl.dot), got {block_m}: below 16 (the row "
                          "kernels) takes INT4 experts only")
-    if int4:
+    if int4 and w_gate_up.interleaved:
+        wide_n, wide_k = moe_int4.INT4_INTERLEAVED_TILES
+        if block_m < 16:
+            raise ValueError(f"interleaved INT4 experts take tl.dot tiles only: block_m must be >= 16, got {block_m}")
+    elif int4:
         wide_n, wide_k = moe_int4.INT4_ROWS_TILES if block_m < 16 else moe_int4.INT4_TILES
     else:
         wide_n, wide_k = tiles_for(ids.numel() + num_shared * tokens, inter)

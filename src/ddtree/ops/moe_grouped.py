@@ -48,7 +48,7 @@ def _dequantized_experts(dtype: torch.dtype, w_gate_up: PackedInt4, w_down: Pack
     """(w_gate_up [U, hidden, 2 * inter], w_down [U, inter, hidden] in dtype, ids renumbered) for the U
     experts in ids, in grouped_moe's layout."""
     used, local = ids.unique(return_inverse=True)
-    pick = lambda w: PackedInt4(w.packed[used], w.scale[used], w.group_size)  # noqa: E731
+    pick = lambda w: PackedInt4(w.packed[used], w.scale[used], w.group_size, w.interleaved)  # noqa: E731
     gate_up = dequantize_int4(pick(w_gate_up), dtype).transpose(1, 2).contiguous()
     down = dequantize_int4(pick(w_down), dtype).transpose(1, 2).contiguous()
     return gate_up, down, local.view_as(ids)

@@ -28,6 +28,9 @@ INT4_ROWS_WARPS = 2
 # says what runs). Pairs ran faster than word at 544 rows on an H100, and than the row kernels at
 # 1 to 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md, -unpack-).
 INT4_UNPACK = "pairs"
+# Experts in the group-interleaved order (int4.interleave_int4) take their own tiles
+# (int4_interleaved.py): BLOCK_N output rows (the tensor cores' 64-row side), whole 256-column blocks.
+INT4_INTERLEAVED_TILES = (64, 256)
 # Whether the pairs tiles load their group scales two to an int32 word where they can (scale_pairs):
 # False loads one per word, a load the pipeliner cannot copy ahead (int4_tiles.py).
 INT4_SCALE_PAIRS = True
@@ -46,19 +49,28 @@ def check_int4(x, w_gate_up: PackedInt4, w_down, weights, ids) -> tuple[int, int
                          f"{list(w_gate_up.packed.shape)}")
     w_gate_up.check("w_gate_up", (experts,), 2 * inter, hidden, x.device)
     w_down.check("w_down", (experts,), hidden, inter, x.device)
+    if w_gate_up.interleaved != w_down.interleaved:
+        raise ValueError("w_gate_up and w_down must both be interleaved (int4.interleave_int4) or neither")
+    if w_gate_up.interleaved and not x.dtype == w_gate_up.scale.dtype == w_down.scale.dtype == torch.bfloat16:
+        raise ValueError(f"interleaved INT4 experts need bf16 activations and scales, got {x.dtype} activations, "
+                         f"{w_gate_up.scale.dtype} and {w_down.scale.dtype} scales")
     return experts, inter
 
 
 def int4_row_kernels(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> bool:
     """Whether these INT4 experts take the row kernels at few pairs per expert: only where the
     tl.dot path cannot unpack in pairs natively, which ran faster at 1 to 65 rows
-    (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md)."""
-    return int4_unpack(x, w_gate_up, w_down) != "pairs"
+    (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md); never for interleaved weights (the row
+    kernels read compressed-tensors' order)."""
+    return int4_unpack(x, w_gate_up, w_down) not in ("pairs", "interleaved", "interleaved_plain")
 
 
 def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> str:
     """INT4_UNPACK where it can run: "pairs" needs bf16 activations and scales ("word" otherwise),
-    and its inline PTX sm_90 ("pairs_plain", the same tile in plain Triton, otherwise)."""
+    and its inline PTX sm_90 ("pairs_plain", the same tile in plain Triton, otherwise). Interleaved
+    weights: "interleaved" ("interleaved_plain" off sm_90)."""
+    if w_gate_up.interleaved:  # their own order, their own tiles (bf16: check_int4)
+        return "interleaved" if compiled_for_sm90(x.device) else "interleaved_plain"
     if INT4_UNPACK not in ("word", "pairs"):
         raise ValueError(f"INT4_UNPACK must be 'word' or 'pairs', got {INT4_UNPACK!r}")
     if INT4_UNPACK != "pairs":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .int4_interleaved import matmul_tile_w4i, swiglu_tile_w4i
 from .int4_tiles import int4_tile
 from .launch import dot, matmul_tile, wait_for_producers
 
@@ -148,7 +149,8 @@ def gate_up_kernel(
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
     W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
     row), scale_ptr its scales (stride_se, stride_sn); EVEN_K: hidden and inter are multiples of BLOCK_K;
-    UNPACK and SCALE_PAIRS: how the tiles unpack and load their scales (int4_tiles.int4_tile)."""
+    UNPACK and SCALE_PAIRS: how the tiles unpack and load their scales (int4_tiles.int4_tile), or
+    UNPACK "interleaved" / "interleaved_plain": weights in that order (int4_interleaved.py, no BLOCK_K)."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,7 +162,12 @@ def gate_up_kernel(
             row_ok = pair < num_pairs  # padding slots hold num_pairs
             token = (pair // top_k).to(tl.int64)
             x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
-            if W4:
+            if UNPACK == "interleaved" or UNPACK == "interleaved_plain":
+                e = expert.to(tl.int64)
+                h = swiglu_tile_w4i(x_ptr + token * stride_xt, row_ok, w_ptr + e * stride_we, scale_ptr + e * stride_se,
+                                    offs_n, col_ok, inter, hidden, stride_wk, stride_sn, BLOCK_M, BLOCK_N, DOT_F32,
+                                    UNPACK == "interleaved")
+            elif W4:
                 e = expert.to(tl.int64)
                 h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
                                     col_ok, hidden, stride_wk, stride_sn, x_ptr.dtype.element_ty, BLOCK_M, BLOCK_N,
@@ -200,7 +207,12 @@ def down_kernel(
             row_ok = pair < num_pairs
             row = tl.where(row_ok, pair, 0).to(tl.int64)
             h_ptrs = h_ptr + row[:, None] * stride_hp + offs_k[None, :]
-            if W4:
+            if UNPACK == "interleaved" or UNPACK == "interleaved_plain":
+                e = expert.to(tl.int64)
+                acc = matmul_tile_w4i(h_ptr + row * stride_hp, row_ok, w_ptr + e * stride_we, scale_ptr + e * stride_se,
+                                      offs_n, col_ok, inter, stride_wk, stride_sn, BLOCK_M, BLOCK_N, DOT_F32,
+                                      UNPACK == "interleaved")
+            elif W4:
                 e = expert.to(tl.int64)
                 acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,
                                       inter, stride_wk, stride_sn, h_ptr.dtype.element_ty, BLOCK_M, BLOCK_N, BLOCK_K,

@@ -1,0 +1,138 @@
+"""INT4 experts in the group-interleaved order (int4.interleave_int4) for fused_moe's tl.dot kernels
+(moe_kernels.py, UNPACK "interleaved"): the weights are the dot's first operand, kept in registers.
+
+In compressed-tensors' order a word holds 8 adjacent columns, so a [BLOCK_K, BLOCK_N] tile is
+joined, permuted and stored to shared memory before the tensor cores read it (int4_tiles.py). Here,
+in each 256-column block, nibbles i and i + 4 of word w hold columns 2c and 2c + 1 (c = w % 16) of
+group 4 (w // 16) + i % 4. So one lop3 makes a register of two adjacent columns of one group (the
+pair the tensor cores' operand layout puts in a register), nibble i of 16 words is a whole
+32-column group (one scale per output row), and every step is elementwise from the loaded words:
+the compiler unpacks them in the operand layout itself (no shared-memory round trip). The product
+is computed transposed, acc^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, 32] @ x^T [32, BLOCK_M] per group,
+so the weights, not the few rows, fill the tensor cores' 64-row side.
+
+Values are q * scale rounded once to bf16, as int4.dequantize_int4 rounds; the sums run group by
+group, so they are not the dequantized twin's to the bit (within float32 rounding). Needs bf16
+activations and scales, group size 32 and depths a multiple of 256 (moe_int4.check_int4).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .launch import dot
+
+# Nibbles i and i + 4 (bits 4i and 4i + 16) of word $8 as one register of two bf16 128 + v (one
+# lop3), minus 136 (= q), times their group's scale $9 + i, for i = 0 .. 3: outputs i and i + 4.
+PAIRS_OF_GROUP_ASM = tl.constexpr("""
+{
+.reg .b32 w1, w2, w3, p0, p1, p2, p3, s0, s1, s2, s3, bias;
+mov.b32 s0, {$9, $9};
+mov.b32 s1, {$10, $10};
+mov.b32 s2, {$11, $11};
+mov.b32 s3, {$12, $12};
+mov.b32 bias, 0x43084308;
+lop3.b32 p0, $8, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 w1, $8, 4;
+lop3.b32 p1, w1, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 w2, $8, 8;
+lop3.b32 p2, w2, 0x000F000F, 0x43004300, 0xEA;
+shr.u32 w3, $8, 12;
+lop3.b32 p3, w3, 0x000F000F, 0x43004300, 0xEA;
+sub.rn.bf16x2 p0, p0, bias;
+sub.rn.bf16x2 p1, p1, bias;
+sub.rn.bf16x2 p2, p2, bias;
+sub.rn.bf16x2 p3, p3, bias;
+mul.rn.bf16x2 p0, p0, s0;
+mul.rn.bf16x2 p1, p1, s1;
+mul.rn.bf16x2 p2, p2, s2;
+mul.rn.bf16x2 p3, p3, s3;
+mov.b32 {$0, $4}, p0;
+mov.b32 {$1, $5}, p1;
+mov.b32 {$2, $6}, p2;
+mov.b32 {$3, $7}, p3;
+}
+""")
+
+
+@triton.jit
+def _nibble(words, scale, i: tl.constexpr):
+    """Value i of each word times its row's scale, rounded once to bf16 (the plain twin)."""
+    return ((((words >> (4 * i)) & 0xF) - 8).to(tl.float32) * scale.to(tl.float32)[:, None]).to(tl.bfloat16)
+
+
+@triton.jit
+def _scale(pair, HIGH: tl.constexpr):
+    """The bf16 scale in the low (even group) or high (odd group) half of an int32 pair of scales."""
+    half = (pair >> 16) if HIGH else (pair & 0xFFFF)
+    return half.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _half_block(acc, a_rows, row_ok, words, s0, s1, s2, s3, k0, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                PTX: tl.constexpr):
+    """acc^T += the four groups k0 .. k0 + 127 held by words [BLOCK_N, 16] (scales s0 .. s3 [BLOCK_N])
+    times the activation rows a_rows [BLOCK_M] (pointers at column 0)."""
+    if PTX:
+        shape: tl.constexpr = (BLOCK_N, 16)
+        e = tl.inline_asm_elementwise(PAIRS_OF_GROUP_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h,h,h",
+                                      [words, tl.broadcast_to(s0[:, None], shape), tl.broadcast_to(s1[:, None], shape),
+                                       tl.broadcast_to(s2[:, None], shape), tl.broadcast_to(s3[:, None], shape)],
+                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        e = (_nibble(words, s0, 0), _nibble(words, s1, 1), _nibble(words, s2, 2), _nibble(words, s3, 3),
+             _nibble(words, s0, 4), _nibble(words, s1, 5), _nibble(words, s2, 6), _nibble(words, s3, 7))
+    for i in tl.static_range(4):
+        w = tl.reshape(tl.join(e[i], e[i + 4]), (BLOCK_N, 32))  # group i's columns 2c, 2c + 1 side by side
+        a = tl.load(a_rows[:, None] + (k0 + 32 * i + tl.arange(0, 32))[None, :], mask=row_ok[:, None], other=0.0)
+        acc = dot(w, tl.trans(a).to(tl.bfloat16), acc, DOT_F32, "tf32")
+    return acc
+
+
+@triton.jit
+def _block(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+           BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
+    """acc^T [BLOCK_N, BLOCK_M] += rows offs_n of the weight over the 256 columns from k0."""
+    rows = offs_n.to(tl.int64)
+    word = k0 // 8 + tl.arange(0, 16)
+    low = tl.load(packed_ptr + rows[:, None] * stride_pn + word[None, :], mask=col_ok[:, None], other=0)
+    high = tl.load(packed_ptr + rows[:, None] * stride_pn + (word + 16)[None, :], mask=col_ok[:, None], other=0)
+    # the block's 8 scales as 4 int32 words of two (32-bit loads: the pipeliner copies them ahead)
+    pairs = scale_ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_sn // 2) + k0 // 64
+    p0 = tl.load(pairs, mask=col_ok, other=0)
+    p1 = tl.load(pairs + 1, mask=col_ok, other=0)
+    p2 = tl.load(pairs + 2, mask=col_ok, other=0)
+    p3 = tl.load(pairs + 3, mask=col_ok, other=0)
+    acc = _half_block(acc, a_rows, row_ok, low, _scale(p0, False), _scale(p0, True), _scale(p1, False),
+                      _scale(p1, True), k0, BLOCK_N, DOT_F32, PTX)
+    return _half_block(acc, a_rows, row_ok, high, _scale(p2, False), _scale(p2, True), _scale(p3, False),
+                       _scale(p3, True), k0 + 128, BLOCK_N, DOT_F32, PTX)
+
+
+@triton.jit
+def swiglu_tile_w4i(a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, inter, hidden, stride_pn, stride_sn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
+    """silu(x @ Wg) * (x @ Wu), float32 [BLOCK_M, BLOCK_N], for activation rows a_rows [BLOCK_M]
+    (pointers at column 0) and gate rows offs_n, up rows inter + offs_n of one expert's interleaved
+    weight (packed_ptr, scale_ptr at the expert). hidden: a multiple of 256."""
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, hidden, 256):
+        acc_gate = _block(acc_gate, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+                          BLOCK_N, DOT_F32, PTX)
+        acc_up = _block(acc_up, a_rows, row_ok, packed_ptr, scale_ptr, inter + offs_n, col_ok, k0, stride_pn,
+                        stride_sn, BLOCK_N, DOT_F32, PTX)
+    gate, up = tl.trans(acc_gate), tl.trans(acc_up)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def matmul_tile_w4i(a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, stride_pn, stride_sn,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
+    """a @ W^T for rows offs_n of one expert's interleaved weight [out, depth]: float32 [BLOCK_M, BLOCK_N]."""
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, depth, 256):
+        acc = _block(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+                     BLOCK_N, DOT_F32, PTX)
+    return tl.trans(acc)

@@ -98,9 +98,13 @@ def interleave_int4(weights: PackedInt4) -> PackedInt4:
     if weights.group_size != INTERLEAVE_GROUP or weights.in_features % INTERLEAVE_BLOCK:
         raise ValueError(f"interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a multiple of "
                          f"{INTERLEAVE_BLOCK}, got {weights.group_size} and {weights.in_features}")
-    q = unpack_int4(weights.packed).unflatten(-1, (-1, INTERLEAVE_BLOCK))
-    order = interleave_order(q.device)
-    return PackedInt4(pack_int4(q[..., order].flatten(-2)).contiguous(), weights.scale, weights.group_size, True)
+    order = interleave_order(weights.packed.device)
+    packed = torch.empty_like(weights.packed)
+    rows_in, rows_out = weights.packed.view(-1, weights.packed.shape[-1]), packed.view(-1, packed.shape[-1])
+    for start in range(0, rows_in.shape[0], 4096):  # in slices: unpacked, a layer's weights are 8x their size
+        q = unpack_int4(rows_in[start : start + 4096]).unflatten(-1, (-1, INTERLEAVE_BLOCK))
+        rows_out[start : start + 4096] = pack_int4(q[..., order].flatten(-2))
+    return PackedInt4(packed, weights.scale, weights.group_size, True)
 
 
 def _values(weights: PackedInt4) -> torch.Tensor:

@@ -1,0 +1,83 @@
+"""INT4 experts in the group-interleaved order (ops/int4.interleave_int4, ops/int4_interleaved.py):
+the order is the documented permutation, dequantizes to the same weights, and fused_moe's
+interleaved tiles match the float64 loop; what the order cannot take is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.ops import moe_int4
+from ddtree.ops.int4 import (PackedInt4, dequantize_int4, interleave_int4, interleave_order, quantize_int4,
+                             unpack_int4)
+from ddtree.ops.moe import Workspace, fused_moe
+from ddtree.ops.moe_grouped import grouped_moe
+
+from .test_int4 import dense, int4_experts
+from .test_moe import POISON_INT, TOL, Case, assert_close, make_shared, moe_reference
+
+
+def test_each_value_sits_where_the_order_says():
+    w = quantize_int4(torch.randn(2, 3, 512), 32)
+    values = unpack_int4(interleave_int4(w).packed)  # [2, 3, 512] in word order
+    columns = unpack_int4(w.packed)
+    for k in (0, 1, 2, 31, 32, 33, 127, 128, 200, 255, 256, 300, 511):
+        block, g, r = k // 256, (k % 256) // 32, k % 32
+        word = block * 32 + 16 * (g // 4) + r // 2
+        nibble = g % 4 + 4 * (r % 2)
+        assert torch.equal(values[..., 8 * word + nibble], columns[..., k]), k
+    assert sorted(interleave_order().tolist()) == list(range(256))
+
+
+def test_interleaved_weights_dequantize_to_the_same_weights():
+    w = quantize_int4(torch.randn(4, 6, 768), 32)
+    wi = interleave_int4(w)
+    assert wi.interleaved and not torch.equal(wi.packed, w.packed) and wi.scale is w.scale
+    assert torch.equal(dequantize_int4(wi, torch.float32), dequantize_int4(w, torch.float32))
+    assert interleave_int4(wi) is wi
+
+
+CASES = [Case(1, 3, 5, 256, 256, seed=21), Case(6, 2, 4, 512, 256, seed=22),
+         Case(12, 4, 6, 256, 512, route="all", seed=23)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c.tokens}")
+@pytest.mark.parametrize("num_shared", [0, 1])
+def test_interleaved_experts_match_the_float64_loop(case, num_shared, kernel_device):
+    x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device, group=32)
+    shared = make_shared(case, num_shared, torch.bfloat16, kernel_device) if num_shared else None
+    gi, di = interleave_int4(gate_up), interleave_int4(down)
+    ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, torch.bfloat16,
+                         kernel_device, block_m=16, num_shared=num_shared)
+    ws.sorted_pairs.fill_(POISON_INT)
+    for buf in (ws.h, ws.y):
+        buf.fill_(float("nan"))
+    got = fused_moe(x, gi, di, weights, ids, shared=shared, workspace=ws, block_m=16)
+    assert moe_int4.int4_unpack(x, gi, di).startswith("interleaved")
+    assert not got.isnan().any()
+    cpu = lambda t: t.cpu()  # noqa: E731
+    want = moe_reference(cpu(x), cpu(dense(gate_up, x.dtype)), cpu(dense(down, x.dtype)), cpu(weights), cpu(ids),
+                         None if shared is None else type(shared)(*(cpu(t) for t in (shared.gate, shared.up, shared.down))))
+    assert_close(got, want, TOL[torch.bfloat16])
+    if not num_shared:  # the reference path dequantizes either order to the same weights
+        assert torch.equal(grouped_moe(cpu(x), *(PackedInt4(cpu(w.packed), cpu(w.scale), 32, w.interleaved)
+                                                  for w in (gi, di)), cpu(weights), cpu(ids)),
+                           grouped_moe(cpu(x), *(PackedInt4(cpu(w.packed), cpu(w.scale), 32) for w in (gate_up, down)),
+                                       cpu(weights), cpu(ids)))
+
+
+def test_what_the_interleaved_order_cannot_take_is_refused(kernel_device):
+    with pytest.raises(ValueError, match="group_size=32"):
+        interleave_int4(quantize_int4(torch.randn(2, 4, 512), 64))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        interleave_int4(quantize_int4(torch.randn(2, 4, 320), 32))
+    case = CASES[0]
+    x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device, group=32)
+    gi, di = interleave_int4(gate_up), interleave_int4(down)
+    with pytest.raises(ValueError, match="both be interleaved"):
+        fused_moe(x, gi, down, weights, ids)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        fused_moe(x.float(), gi, di, weights, ids)
+    with pytest.raises(ValueError, match="block_m must be >= 16"):
+        fused_moe(x, gi, di, weights, ids, block_m=2)
+    assert not moe_int4.int4_row_kernels(x, gi, di)

@@ -29,8 +29,9 @@ INT4_ROWS_WARPS = 2
 # 1 to 65 (results/moe_paths-kimi-k2.6-int4-pairs-nvidia-h100.md, -unpack-).
 INT4_UNPACK = "pairs"
 # Experts in the group-interleaved order (int4.interleave_int4) take their own tiles
-# (int4_interleaved.py): BLOCK_N output rows (the tensor cores' 64-row side), whole 256-column blocks.
-INT4_INTERLEAVED_TILES = (64, 256)
+# (int4_interleaved.py): BLOCK_N output rows (the tensor cores' 64-row side) in whole 256-column blocks; the
+# K tile is the shared experts' (their 16-bit tiles ride in the same launch).
+INT4_INTERLEAVED_TILES = (64, 64)
 # Whether the pairs tiles load their group scales two to an int32 word where they can (scale_pairs):
 # False loads one per word, a load the pipeliner cannot copy ahead (int4_tiles.py).
 INT4_SCALE_PAIRS = True

@@ -81,3 +81,30 @@ def test_what_the_interleaved_order_cannot_take_is_refused(kernel_device):
     with pytest.raises(ValueError, match="block_m must be >= 16"):
         fused_moe(x, gi, di, weights, ids, block_m=2)
     assert not moe_int4.int4_row_kernels(x, gi, di)
+
+
+def test_a_moe_layer_interleaves_its_experts_in_place_where_the_tiles_run(monkeypatch):
+    """MoE.interleave_int4_experts: a no-op where the interleaved tiles do not run natively (this
+    CPU); where they do (forced here), the words change order, the layer's output stays that of
+    the same MoE, and writing the model's checkpoint is refused."""
+    from ddtree.models import TargetConfig
+    from ddtree.models import checkpoint
+    from ddtree.models.layers import MoE
+    from tests.models.checkpoints import int4_quantization_config, tiny_config
+
+    raw = tiny_config(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=2).to_dict()
+    raw["quantization_config"] = int4_quantization_config(32)
+    target = checkpoint.random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, seed=3)
+    moe = next(m for m in target.modules() if isinstance(m, MoE))
+    assert not moe.int4_interleaved and not moe.interleave_int4_experts()  # no sm_90 here
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        before, words = moe(x), moe.w_gate_up_packed.clone()
+    monkeypatch.setattr("ddtree.models.layers.interleavable", lambda *args: True)
+    checkpoint.interleave_int4_experts(target)
+    assert moe.int4_interleaved and not torch.equal(moe.w_gate_up_packed, words)
+    assert moe.experts()[0].interleaved
+    with torch.no_grad():
+        assert_close(moe(x), before, TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="interleaved order"):
+        checkpoint.target_tensors(target)

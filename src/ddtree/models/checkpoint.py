@@ -121,7 +121,16 @@ def random_target(
     """A target with random weights made directly on `device` (no host copy, no checkpoint), for
     benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2); shard: the
     part one rank holds (parallel/shard.py)."""
-    return init_random(_empty_target(cfg, dtype, device, policy, shard), seed=seed, std=std).eval()
+    return interleave_int4_experts(init_random(_empty_target(cfg, dtype, device, policy, shard), seed=seed, std=std)).eval()
+
+
+def interleave_int4_experts(model: torch.nn.Module) -> torch.nn.Module:
+    """Every INT4 MoE layer's experts in the interleaved order where its tiles run natively
+    (MoE.interleave_int4_experts); returns the model."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.interleave_int4_experts()
+    return model
 
 
 @torch.no_grad()
@@ -219,7 +228,7 @@ def load_target(path: str | Path, *, dtype: torch.dtype = torch.bfloat16, device
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), first: {missing[:3]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval()
+    return interleave_int4_experts(model).eval()
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -238,6 +247,8 @@ def target_tensors(model: Target) -> dict[str, torch.Tensor]:
     if not cfg.tie_word_embeddings and "lm_head.weight" not in out:  # a tied module that the config calls untied
         out["lm_head.weight"] = model.lm_head.weight.detach()
     for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, MoE) and layer.mlp.int4_interleaved:
+            raise ValueError(f"layer {i}'s INT4 experts are in the interleaved order (a GPU's), not the checkpoint's")
         if isinstance(layer.mlp, MoE):
             out.update(expert_weights.checkpoint_tensors_of(layer.mlp, i, cfg))
     return out

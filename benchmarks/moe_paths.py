@@ -81,17 +81,19 @@ def tile_name(tile) -> str:
 def launch_settings(warps: int | None, stages: int | None, unpack: str | None = None):
     """ops/moe.py's and moe_int4.py's launch constants set to these (None: as they are) while the
     block runs."""
-    saved = moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK, moe_int4.INT4_SCALE_PAIRS
+    saved = (moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK, moe_int4.INT4_SCALE_PAIRS,
+             moe_int4.INT4_INTERLEAVED_STAGES_MANY)
     moe.NUM_WARPS = warps or saved[0]
     moe_int4.INT4_ROWS_WARPS = warps or saved[1]
     moe.NUM_STAGES = stages or saved[2]
+    moe_int4.INT4_INTERLEAVED_STAGES_MANY = stages or saved[5]
     moe_int4.INT4_UNPACK = unpack.removesuffix("-ws") if unpack in ("word", "pairs", "pairs-ws") else saved[3]
     moe_int4.INT4_SCALE_PAIRS = saved[4] if unpack in (None, "gi") else not unpack.endswith("-ws")
     try:
         yield
     finally:
         (moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK,
-         moe_int4.INT4_SCALE_PAIRS) = saved
+         moe_int4.INT4_SCALE_PAIRS, moe_int4.INT4_INTERLEAVED_STAGES_MANY) = saved
 
 
 def moe_layer(name: str) -> MoE:

@@ -41,18 +41,19 @@ CASES = [Case(1, 3, 5, 256, 256, seed=21), Case(6, 2, 4, 512, 256, seed=22),
          Case(12, 4, 6, 256, 512, route="all", seed=23)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c.tokens}")
+@pytest.mark.parametrize("case, block_m", [(CASES[0], 16), (CASES[1], 16), (CASES[2], 16), (CASES[2], 64)],
+                         ids=["T1", "T6", "T12", "T12-block64"])
 @pytest.mark.parametrize("num_shared", [0, 1])
-def test_interleaved_experts_match_the_float64_loop(case, num_shared, kernel_device):
+def test_interleaved_experts_match_the_float64_loop(case, block_m, num_shared, kernel_device):
     x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device, group=32)
     shared = make_shared(case, num_shared, torch.bfloat16, kernel_device) if num_shared else None
     gi, di = interleave_int4(gate_up), interleave_int4(down)
     ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, torch.bfloat16,
-                         kernel_device, block_m=16, num_shared=num_shared)
+                         kernel_device, block_m=block_m, num_shared=num_shared)
     ws.sorted_pairs.fill_(POISON_INT)
     for buf in (ws.h, ws.y):
         buf.fill_(float("nan"))
-    got = fused_moe(x, gi, di, weights, ids, shared=shared, workspace=ws, block_m=16)
+    got = fused_moe(x, gi, di, weights, ids, shared=shared, workspace=ws, block_m=block_m)
     assert moe_int4.int4_unpack(x, gi, di).startswith("interleaved")
     assert not got.isnan().any()
     cpu = lambda t: t.cpu()  # noqa: E731

@@ -287,7 +287,9 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
                  EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, UNPACK=unpack,
                  SCALE_PAIRS=int4 and moe_int4.scale_pairs(unpack, w_gate_up, w_down, block_k),
                  **launch_flags(x.device, pdl))
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    many_interleaved = int4 and w_gate_up.interleaved and block_m >= 64
+    stages = moe_int4.INT4_INTERLEAVED_STAGES_MANY if many_interleaved else NUM_STAGES
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=stages)
     gate_up_kernel[(programs, triton.cdiv(inter, block_n))](
         x, up_w[0], ws.sorted_pairs, block_expert, ws.h, gate, up, up_w[1],
         num_pairs, experts, tokens, top_k, hidden, inter, routed_blocks, token_blocks,

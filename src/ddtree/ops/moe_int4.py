@@ -32,6 +32,9 @@ INT4_UNPACK = "pairs"
 # (int4_interleaved.py): BLOCK_N output rows (the tensor cores' 64-row side) in whole 256-column blocks; the
 # K tile is the shared experts' (their 16-bit tiles ride in the same launch).
 INT4_INTERLEAVED_TILES = (64, 64)
+# Their pipeline stages at block_m >= 64 (a tree verify's thousands of rows): 2 ran 1.44x faster than
+# 3 at 2080 rows (results/moe_paths-kimi-k2.6-int4-interleaved-2080-nvidia-h100.md); fewer rows keep NUM_STAGES.
+INT4_INTERLEAVED_STAGES_MANY = 2
 # Whether the pairs tiles load their group scales two to an int32 word where they can (scale_pairs):
 # False loads one per word, a load the pipeliner cannot copy ahead (int4_tiles.py).
 INT4_SCALE_PAIRS = True

@@ -55,6 +55,10 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
                                              r"tensor<[0-9x]+!tt\.ptr<i32>", compiled.asm["ttgir"])),
         # 16-byte loads straight into registers (the row kernels' words and activations)
         "vector_loads": len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.b32\b", compiled.asm["ptx"])),
+        # 2-D loads the pipeliner left in their K step (not copied ahead: every step waits on memory)
+        "blocking_tile_loads": len(re.findall(r"= tt\.load [^\n]*: tensor<\d+x\d+x!tt\.ptr", compiled.asm["ttgir"])),
+        # register tensors stored to shared memory (an unpacked weight tile on its way to the MMA)
+        "stored_register_tiles": compiled.asm["ttgir"].count("ttg.local_alloc %"),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
         "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", asm["sass"], re.MULTILINE)),  # SASS, per thread
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
@@ -64,8 +68,9 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
 
 def all_reports() -> dict[str, dict]:
     """The four kernels at their defaults, bf16 (the GEMMs also in direct mode, without the
-    alignment, and with INT4 experts in groups of 32, unpacked by word and in pairs; the INT4 row
-    kernels); the alignment at 64 tokens x 8 of 384 experts and at 4096 pairs over 64 experts."""
+    alignment, and with INT4 experts in groups of 32, unpacked by word, in pairs and in the
+    interleaved order; the INT4 row kernels); the alignment at 64 tokens x 8 of 384 experts and at
+    4096 pairs over 64 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
                  DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False, UNPACK="word")
@@ -78,6 +83,10 @@ def all_reports() -> dict[str, dict]:
     direct = dict(tiles, DIRECT=True)
     tiles = dict(tiles, DIRECT=False)
     int4 = dict(tiles, W4=True, EVEN_K=True)  # Kimi K2.6's hidden and inter are multiples of BLOCK_K
+    # as fused_moe launches them: pairs with the scales two to a word; the interleaved order's tiles
+    pairs = dict(int4, UNPACK="pairs", SCALE_PAIRS=True)
+    inter_n, inter_k = moe_int4.INT4_INTERLEAVED_TILES
+    interleaved = dict(int4, UNPACK="interleaved", BLOCK_N=inter_n, BLOCK_K=inter_k)
     block_n, block_k = moe_int4.INT4_ROWS_TILES
     rows = dict(BLOCK_N=block_n, BLOCK_K=block_k, GROUP=32, EVEN_K=True)
     rows_launch = dict(num_warps=moe_int4.INT4_ROWS_WARPS, num_stages=fused_moe.NUM_STAGES)
@@ -101,9 +110,8 @@ def all_reports() -> dict[str, dict]:
         "gate_up_int4": compile_report(fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), int4,
                                        **gemm),
         "down_int4": compile_report(fused_moe_kernels.down_kernel, dict(down_pointers, w_ptr="*i32"), int4, **gemm),
-        **{f"{name}_int4_{unpack}": compile_report(kernel, dict(pointers, w_ptr="*i32"), dict(int4, UNPACK=unpack),
-                                                   **gemm)
-           for unpack in ("pairs",)
+        **{f"{name}_int4_{unpack}": compile_report(kernel, dict(pointers, w_ptr="*i32"), flags, **gemm)
+           for unpack, flags in (("pairs", pairs), ("interleaved", interleaved))
            for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
                                           ("down", fused_moe_kernels.down_kernel, down_pointers))},
         # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two

@@ -30,13 +30,25 @@ def test_a_wide_alignment_shares_its_sort_over_more_warps(reports):
 
 def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
     for name in ("gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
-                 "gate_up_int4_pairs", "down_int4_pairs"):
+                 "gate_up_int4_pairs", "down_int4_pairs", "gate_up_int4_interleaved", "down_int4_interleaved"):
         report = reports[name]
         assert report["mma"] > 0, (name, report)
         assert report["shared"] <= 232448, (name, report)  # the sm_90 opt-in limit per block (227 KB)
         assert report["async_copies"] > 0, (name, report)  # loads of the next K step overlap the MMAs
         if name.endswith(("int4", "pairs")):  # each row's packed words read as 16-byte vectors
             assert report["word_vector_copies"] > 0, (name, report)
+
+
+def test_int4_tiles_wait_on_no_load_and_interleaved_ones_stay_in_registers(reports):
+    """With the scales two to an int32 word (int4_tiles._scale_pairs) the pipeliner copies every
+    tile load of the pairs kernels ahead (one bf16 per word was a 2-byte load it left in the step);
+    the interleaved order's weights go from their loaded words to the MMA in registers, where the
+    pairs tile is stored to shared memory first."""
+    for name in ("gate_up_int4_pairs", "down_int4_pairs", "gate_up_int4_interleaved", "down_int4_interleaved"):
+        assert reports[name]["blocking_tile_loads"] == 0, (name, reports[name])
+    for name in ("gate_up_int4_interleaved", "down_int4_interleaved"):
+        assert reports[name]["stored_register_tiles"] == 0, (name, reports[name])
+    assert reports["gate_up_int4_pairs"]["stored_register_tiles"] > 0  # the contrast the order removes
 
 
 def test_int4_row_kernels_read_words_as_vectors(reports):
@@ -56,6 +68,6 @@ def test_every_kernel_waits_for_its_producer_first(reports):
     the grid-dependency wait that keeps it from reading its inputs before the previous kernel ends."""
     assert set(reports) == {"align", "align_wide_4_warps", "align_wide", "gate_up", "down", "gate_up_direct",
                             "down_direct", "gate_up_int4", "down_int4", "gate_up_int4_pairs", "down_int4_pairs",
-                            "gate_up_rows", "down_rows", "sum"}
+                            "gate_up_int4_interleaved", "down_int4_interleaved", "gate_up_rows", "down_rows", "sum"}
     for name, report in reports.items():
         assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)

@@ -11,7 +11,8 @@ and against the floors.
         # NUM_STAGES, moe_int4.INT4_ROWS_WARPS for the row kernels, set for that tile's runs only); :word
         # or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py); :pairs-ws: in pairs with
         # the scales loaded one per word (INT4_SCALE_PAIRS off); :gi: the experts in the group-interleaved
-        # order (ops/int4.interleave_int4, ops/int4_interleaved.py; K is the shared experts' tile: theirs is 256)
+        # order (ops/int4.interleave_int4, ops/int4_interleaved.py; those tiles step K by 256 themselves,
+        # K sizes only the shared experts' tiles in the same launch)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is

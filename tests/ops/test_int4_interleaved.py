@@ -85,27 +85,51 @@ def test_what_the_interleaved_order_cannot_take_is_refused(kernel_device):
 
 
 def test_a_moe_layer_interleaves_its_experts_in_place_where_the_tiles_run(monkeypatch):
-    """MoE.interleave_int4_experts: a no-op where the interleaved tiles do not run natively (this
-    CPU); where they do (forced here), the words change order, the layer's output stays that of
-    the same MoE, and writing the model's checkpoint is refused."""
-    from ddtree.models import TargetConfig
-    from ddtree.models import checkpoint
+    """random_target (as load_target) reorders each INT4 MoE where the interleaved tiles run natively
+    (never on this CPU; forced here for bf16 scales): the words change order, the layer's output
+    stays that of the same MoE, and state_dict, checkpoint writing and a cast to float32 (where the
+    tiles do not run) all see the checkpoint's order."""
+    from ddtree.models import TargetConfig, checkpoint, int4_order
     from ddtree.models.layers import MoE
     from tests.models.checkpoints import int4_quantization_config, tiny_config
 
     raw = tiny_config(hidden_size=256, moe_intermediate_size=256, num_hidden_layers=2).to_dict()
     raw["quantization_config"] = int4_quantization_config(32)
-    target = checkpoint.random_target(TargetConfig.from_dict(raw), dtype=torch.bfloat16, seed=3)
+    cfg = TargetConfig.from_dict(raw)
+    plain = checkpoint.random_target(cfg, dtype=torch.bfloat16, seed=3)  # no sm_90 here: checkpoint order
+    moe_plain = next(m for m in plain.modules() if isinstance(m, MoE))
+    assert not moe_plain.int4_interleaved and not moe_plain.interleave_int4_experts()
+    monkeypatch.setattr(int4_order, "interleavable", lambda gate_up, down, device: gate_up.scale.dtype == torch.bfloat16)
+    target = checkpoint.random_target(cfg, dtype=torch.bfloat16, seed=3)
     moe = next(m for m in target.modules() if isinstance(m, MoE))
-    assert not moe.int4_interleaved and not moe.interleave_int4_experts()  # no sm_90 here
+    assert moe.int4_interleaved and moe.experts()[0].interleaved
+    assert not torch.equal(moe.w_gate_up_packed, moe_plain.w_gate_up_packed)
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     with torch.no_grad():
-        before, words = moe(x), moe.w_gate_up_packed.clone()
-    monkeypatch.setattr("ddtree.models.layers.interleavable", lambda *args: True)
-    checkpoint.interleave_int4_experts(target)
-    assert moe.int4_interleaved and not torch.equal(moe.w_gate_up_packed, words)
-    assert moe.experts()[0].interleaved
-    with torch.no_grad():
-        assert_close(moe(x), before, TOL[torch.bfloat16])
-    with pytest.raises(ValueError, match="interleaved order"):
-        checkpoint.target_tensors(target)
+        assert_close(moe(x), moe_plain(x), TOL[torch.bfloat16])
+    for name, value in plain.state_dict().items():
+        assert torch.equal(target.state_dict()[name], value), name
+    written, want = checkpoint.target_tensors(target), checkpoint.target_tensors(plain)
+    assert written.keys() == want.keys() and all(torch.equal(written[k], want[k]) for k in want)
+    reloaded = checkpoint.random_target(cfg, dtype=torch.bfloat16, seed=4)  # interleaved, other weights
+    reloaded.load_state_dict(plain.state_dict())
+    moe_back = next(m for m in reloaded.modules() if isinstance(m, MoE))
+    assert moe_back.int4_interleaved and torch.equal(moe_back.w_gate_up_packed, moe.w_gate_up_packed)
+    as_float = target.float()  # float32 scales: the tiles do not run there, the order is undone
+    assert not moe.int4_interleaved and torch.equal(moe.w_gate_up_packed, moe_plain.w_gate_up_packed)
+    assert as_float is target
+
+
+def test_dropped_experts_add_nothing_in_the_interleaved_order(kernel_device):
+    """Expert parallelism marks other ranks' experts -1: the interleaved tiles skip them as the
+    16-bit path does."""
+    case = CASES[1]
+    x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device, group=32)
+    ids = ids.clone()
+    ids[::2, 0] = -1
+    got = fused_moe(x, interleave_int4(gate_up), interleave_int4(down), weights, ids, block_m=16)
+    cpu = lambda t: t.cpu()  # noqa: E731
+    kept = ids.cpu() >= 0
+    want = moe_reference(cpu(x), cpu(dense(gate_up, x.dtype)), cpu(dense(down, x.dtype)),
+                         cpu(weights) * kept, ids.cpu().clamp_min(0))
+    assert_close(got, want, TOL[torch.bfloat16])

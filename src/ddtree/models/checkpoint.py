@@ -18,6 +18,7 @@ from ..ops.policy import KernelPolicy
 from ..parallel.checkpoint_parts import expert_range, tensor_part
 from ..parallel.shard import SINGLE, Shard
 from . import expert_weights
+from .int4_order import interleave_int4_experts
 from .config import TargetConfig, text_config
 from .drafter import Drafter
 from .drafter_config import DrafterConfig, check_pair
@@ -123,14 +124,6 @@ def random_target(
     part one rank holds (parallel/shard.py)."""
     return interleave_int4_experts(init_random(_empty_target(cfg, dtype, device, policy, shard), seed=seed, std=std)).eval()
 
-
-def interleave_int4_experts(model: torch.nn.Module) -> torch.nn.Module:
-    """Every INT4 MoE layer's experts in the interleaved order where its tiles run natively
-    (MoE.interleave_int4_experts); returns the model."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.interleave_int4_experts()
-    return model
 
 
 @torch.no_grad()
@@ -247,8 +240,6 @@ def target_tensors(model: Target) -> dict[str, torch.Tensor]:
     if not cfg.tie_word_embeddings and "lm_head.weight" not in out:  # a tied module that the config calls untied
         out["lm_head.weight"] = model.lm_head.weight.detach()
     for i, layer in enumerate(model.layers):
-        if isinstance(layer.mlp, MoE) and layer.mlp.int4_interleaved:
-            raise ValueError(f"layer {i}'s INT4 experts are in the interleaved order (a GPU's), not the checkpoint's")
         if isinstance(layer.mlp, MoE):
             out.update(expert_weights.checkpoint_tensors_of(layer.mlp, i, cfg))
     return out

@@ -13,6 +13,7 @@ import re
 
 import torch
 
+from ..ops.int4 import reorder_words_
 from .config import TargetConfig
 from .layers import MoE
 
@@ -79,7 +80,8 @@ def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, int]) -> Non
 
 
 def checkpoint_tensors_of(moe: MoE, layer: int, cfg: TargetConfig) -> dict[str, torch.Tensor]:
-    """The routed experts of `moe` (layer `layer`) under their checkpoint names: the inverse of place."""
+    """The routed experts of `moe` (layer `layer`) under their checkpoint names: the inverse of place
+    (INT4 words in compressed-tensors' order, also from experts interleaved on a GPU)."""
     out = {}
     for e in range(cfg.n_routed_experts):
         for proj in PROJECTIONS:
@@ -88,7 +90,12 @@ def checkpoint_tensors_of(moe: MoE, layer: int, cfg: TargetConfig) -> dict[str, 
             if cfg.int4_experts is None:
                 out[name + "weight"] = getattr(moe, stack)[e].detach()[:, rows].T
                 continue
-            out[name + "weight_packed"] = getattr(moe, stack + "_packed")[e, rows].detach()
+            words = getattr(moe, stack + "_packed")[e, rows].detach()
+            if moe.int4_interleaved:  # a GPU's order: the checkpoint holds compressed-tensors'
+                words = words.clone()
+                reorder_words_(words, to_interleaved=False)
+            out[name + "weight_packed"] = words
             out[name + "weight_scale"] = getattr(moe, stack + "_scale")[e, rows].detach()
             out[name + "weight_shape"] = torch.tensor(shape)
     return out
+

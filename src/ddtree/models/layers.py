@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.gemm import linear as few_row_linear
-from ..ops.int4 import VALUES_PER_WORD, PackedInt4, interleave_int4
-from ..ops.moe_int4 import interleavable
+from ..ops.int4 import VALUES_PER_WORD, PackedInt4
 from ..ops.launch import DTYPES as KERNEL_DTYPES
 from ..ops.moe import SharedExperts, fused_moe
 from ..ops.moe_grouped import grouped_moe
@@ -25,6 +24,7 @@ from ..ops.policy import KernelPolicy
 from ..ops.router import fused_route, route_reference
 from ..parallel.shard import SINGLE, Shard
 from .config import TargetConfig
+from .int4_order import InterleavedInt4Experts
 
 # -- projections of one input in one buffer --------------------------------------------------
 # Parameter names, shapes and state_dict stay as they were: each weight is a view of the joint
@@ -258,12 +258,13 @@ class Router(nn.Module):
         return F.linear(x.float(), w.float())
 
 
-class MoE(nn.Module):
+class MoE(InterleavedInt4Experts, nn.Module):
     """Routed experts plus the shared experts. The routed experts are stored in 16 bits
     (`w_gate_up` [E, hidden, 2 * inter]: per expert [gate | up], transposed; `w_down` [E, inter,
     hidden]) or, with cfg.int4_experts, packed INT4 as the checkpoint stores them (`w_gate_up_packed`
     int32 [E, 2 * inter, hidden / 8] with `w_gate_up_scale` [E, 2 * inter, hidden / group];
-    `w_down_packed` [E, hidden, inter / 8] with `w_down_scale`: ops/int4.py). Two paths, the
+    `w_down_packed` [E, hidden, inter / 8] with `w_down_scale`: ops/int4.py; on sm_90 reordered once
+    after loading into the interleaved order its tiles read: int4_order.py). Two paths, the
     policy's choice (moe_fused):
 
     - grouped: ops/moe_grouped.grouped_moe, pairs sorted by expert for two grouped GEMMs: the reference,
@@ -290,7 +291,6 @@ class MoE(nn.Module):
             self.w_down_packed = frozen(e, h, i // words, dtype=torch.int32)
             self.w_down_scale = frozen(e, h, i // g)
         self.inter = i
-        self.int4_interleaved = False  # the packed words in int4.interleave_int4's order (interleave_int4_experts)
         self.shared_experts = MLP(h, i * cfg.n_shared_experts, shard) if cfg.n_shared_experts else None
         self.policy, self.shard = policy, shard
 
@@ -301,22 +301,6 @@ class MoE(nn.Module):
         g = self.int4.group_size
         return (PackedInt4(self.w_gate_up_packed, self.w_gate_up_scale, g, self.int4_interleaved),
                 PackedInt4(self.w_down_packed, self.w_down_scale, g, self.int4_interleaved))
-
-    @torch.no_grad()
-    def interleave_int4_experts(self) -> bool:
-        """Reorder the INT4 experts' words in place into int4.interleave_int4's order where fused_moe's
-        interleaved tiles run natively (moe_int4.interleavable: sm_90, bf16, group 32, widths a
-        multiple of 256); returns whether they are in that order now. Call once after loading, outside
-        any CUDA graph capture (it synchronizes)."""
-        if self.int4 is None or self.int4_interleaved:
-            return self.int4_interleaved
-        if not interleavable(*self.experts(), self.w_gate_up_packed.device):
-            return False
-        for name in ("w_gate_up", "w_down"):
-            packed = getattr(self, f"{name}_packed")
-            packed.copy_(interleave_int4(PackedInt4(packed, getattr(self, f"{name}_scale"), self.int4.group_size)).packed)
-        self.int4_interleaved = True
-        return True
 
     def forward(self, x: torch.Tensor, router_ids: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden] (with a shard of several ranks: this rank's partial sum,

@@ -98,24 +98,35 @@ def interleave_int4(weights: PackedInt4) -> PackedInt4:
     if weights.group_size != INTERLEAVE_GROUP or weights.in_features % INTERLEAVE_BLOCK:
         raise ValueError(f"interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a multiple of "
                          f"{INTERLEAVE_BLOCK}, got {weights.group_size} and {weights.in_features}")
-    order = interleave_order(weights.packed.device)
-    packed = torch.empty_like(weights.packed)
-    rows_in, rows_out = weights.packed.view(-1, weights.packed.shape[-1]), packed.view(-1, packed.shape[-1])
-    for start in range(0, rows_in.shape[0], 4096):  # in slices: unpacked, a layer's weights are 8x their size
-        q = unpack_int4(rows_in[start : start + 4096]).unflatten(-1, (-1, INTERLEAVE_BLOCK))
-        rows_out[start : start + 4096] = pack_int4(q[..., order].flatten(-2))
+    packed = weights.packed.clone()
+    reorder_words_(packed, to_interleaved=True)
     return PackedInt4(packed, weights.scale, weights.group_size, True)
+
+
+@torch.no_grad()
+def reorder_words_(packed: torch.Tensor, to_interleaved: bool) -> None:
+    """Permute int32 [..., in / 8] words in place, row slice by row slice (unpacked, a layer's
+    weights are 8x their size), into the interleaved order or back to compressed-tensors'."""
+    order = interleave_order(packed.device)
+    rows = packed.view(-1, packed.shape[-1])
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    for start in range(0, rows.shape[0], 4096):
+        part = rows[start : start + 4096]
+        nibbles = ((part[..., None] >> shifts) & 0xF).flatten(-2).unflatten(-1, (-1, INTERLEAVE_BLOCK))
+        if to_interleaved:
+            nibbles = nibbles[..., order]
+        else:
+            nibbles = nibbles.clone().index_copy_(-1, order, nibbles)
+        part.copy_((nibbles.flatten(-2).unflatten(-1, (-1, VALUES_PER_WORD)) << shifts).sum(-1, dtype=torch.int32))
 
 
 def _values(weights: PackedInt4) -> torch.Tensor:
     """int8 [..., out, in] in column order, whichever order the words hold them in."""
-    q = unpack_int4(weights.packed)
     if not weights.interleaved:
-        return q
-    blocks = q.unflatten(-1, (-1, INTERLEAVE_BLOCK))
-    columns = torch.empty_like(blocks)
-    columns[..., interleave_order(q.device)] = blocks
-    return columns.flatten(-2)
+        return unpack_int4(weights.packed)
+    packed = weights.packed.clone()
+    reorder_words_(packed, to_interleaved=False)
+    return unpack_int4(packed)
 
 
 def dequantize_int4(weights: PackedInt4, dtype: torch.dtype) -> torch.Tensor:

@@ -175,7 +175,8 @@ def fused_moe(
     x:          [T, hidden], bf16 / fp16 / fp32, contiguous in its last dimension.
     w_gate_up:  x.dtype [E, hidden, 2 * inter], contiguous: per expert [gate | up], transposed
                 (MoE.w_gate_up); or INT4 (ops/int4.PackedInt4) [E, 2 * inter, hidden]: gate rows,
-                then up rows, as compressed-tensors packs them (then w_down too).
+                then up rows, as compressed-tensors packs them or in the interleaved order (its
+                own tiles, INT4_INTERLEAVED_TILES; bf16 only) (then w_down too).
     w_down:     x.dtype [E, inter, hidden], contiguous (MoE.w_down); or INT4 [E, hidden, inter].
     weights:    float32 [T, k], contiguous: the router's weight of each choice.
     ids:        int64 [T, k], contiguous: the chosen experts; a pair whose id is outside [0, E) (-1:

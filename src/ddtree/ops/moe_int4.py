@@ -58,6 +58,8 @@ def check_int4(x, w_gate_up: PackedInt4, w_down, weights, ids) -> tuple[int, int
     if w_gate_up.interleaved and not x.dtype == w_gate_up.scale.dtype == w_down.scale.dtype == torch.bfloat16:
         raise ValueError(f"interleaved INT4 experts need bf16 activations and scales, got {x.dtype} activations, "
                          f"{w_gate_up.scale.dtype} and {w_down.scale.dtype} scales")
+    if w_gate_up.interleaved and (w_gate_up.scale.data_ptr() % 4 or w_down.scale.data_ptr() % 4):
+        raise ValueError("interleaved INT4 experts' scales must start 4-byte aligned (they load as int32 pairs)")
     return experts, inter
 
 
@@ -86,7 +88,7 @@ def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> s
 
 def interleavable(w_gate_up: PackedInt4, w_down: PackedInt4, device: torch.device) -> bool:
     """Whether experts stored on `device` can take the interleaved order and tiles with the inline
-    PTX (int4_interleaved.py): sm_90, bf16 scales, group size 32, both depths multiples of 256."""
+    PTX (int4_interleaved.py): sm_90 or later, bf16 scales, group size 32, both depths multiples of 256."""
     return (compiled_for_sm90(device) and w_gate_up.group_size == INTERLEAVE_GROUP
             and all(w.scale.dtype == torch.bfloat16 and w.in_features % INTERLEAVE_BLOCK == 0
                     for w in (w_gate_up, w_down)))

@@ -21,39 +21,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .int4_tiles import pairs_asm
 from .launch import dot
 
-# Nibbles i and i + 4 (bits 4i and 4i + 16) of word $8 as one register of two bf16 128 + v (one
-# lop3), minus 136 (= q), times their group's scale $9 + i, for i = 0 .. 3: outputs i and i + 4.
-PAIRS_OF_GROUP_ASM = tl.constexpr("""
-{
-.reg .b32 w1, w2, w3, p0, p1, p2, p3, s0, s1, s2, s3, bias;
-mov.b32 s0, {$9, $9};
-mov.b32 s1, {$10, $10};
-mov.b32 s2, {$11, $11};
-mov.b32 s3, {$12, $12};
-mov.b32 bias, 0x43084308;
-lop3.b32 p0, $8, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w1, $8, 4;
-lop3.b32 p1, w1, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w2, $8, 8;
-lop3.b32 p2, w2, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w3, $8, 12;
-lop3.b32 p3, w3, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 p0, p0, bias;
-sub.rn.bf16x2 p1, p1, bias;
-sub.rn.bf16x2 p2, p2, bias;
-sub.rn.bf16x2 p3, p3, bias;
-mul.rn.bf16x2 p0, p0, s0;
-mul.rn.bf16x2 p1, p1, s1;
-mul.rn.bf16x2 p2, p2, s2;
-mul.rn.bf16x2 p3, p3, s3;
-mov.b32 {$0, $4}, p0;
-mov.b32 {$1, $5}, p1;
-mov.b32 {$2, $6}, p2;
-mov.b32 {$3, $7}, p3;
-}
-""")
+# values i and i + 4 of a word are two columns of group i: their register times scale $9 + i
+PAIRS_OF_GROUP_ASM = tl.constexpr(pairs_asm(("{$9, $9}", "{$10, $10}", "{$11, $11}", "{$12, $12}")))
 
 
 @triton.jit

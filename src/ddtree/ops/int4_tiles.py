@@ -27,34 +27,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Word w's values i and i + 4 (bits 4i and 4i + 16) into one register as two bf16, for i = 0 .. 3:
-# lop3 (a & b) | c, table 0xEA; the eight results in order e0 .. e7.
-PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 w1, w2, w3, p0, p1, p2, p3, s2, bias;
-mov.b32 s2, {$9, $9};
-mov.b32 bias, 0x43084308;
-lop3.b32 p0, $8, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w1, $8, 4;
-lop3.b32 p1, w1, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w2, $8, 8;
-lop3.b32 p2, w2, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 w3, $8, 12;
-lop3.b32 p3, w3, 0x000F000F, 0x43004300, 0xEA;
-sub.rn.bf16x2 p0, p0, bias;
-sub.rn.bf16x2 p1, p1, bias;
-sub.rn.bf16x2 p2, p2, bias;
-sub.rn.bf16x2 p3, p3, bias;
-mul.rn.bf16x2 p0, p0, s2;
-mul.rn.bf16x2 p1, p1, s2;
-mul.rn.bf16x2 p2, p2, s2;
-mul.rn.bf16x2 p3, p3, s2;
-mov.b32 {$0, $4}, p0;
-mov.b32 {$1, $5}, p1;
-mov.b32 {$2, $6}, p2;
-mov.b32 {$3, $7}, p3;
-}
-""")
+def pairs_asm(scales: tuple[str, str, str, str]) -> str:
+    """Inline PTX: word $8's values i and i + 4 (bits 4i and 4i + 16) into one register as two bf16
+    128 + v (one lop3, (a & b) | c, table 0xEA), minus 136 (= q), times scales[i] (a bf16x2 operand,
+    "{$9, $9}"), for i = 0 .. 3; outputs $i and $(i + 4) take the register's halves."""
+    lines = [".reg .b32 w1, w2, w3, p0, p1, p2, p3, s0, s1, s2, s3, bias;"]
+    lines += [f"mov.b32 s{i}, {scale};" for i, scale in enumerate(scales)]
+    lines += ["mov.b32 bias, 0x43084308;", "lop3.b32 p0, $8, 0x000F000F, 0x43004300, 0xEA;"]
+    for i in (1, 2, 3):
+        lines += [f"shr.u32 w{i}, $8, {4 * i};", f"lop3.b32 p{i}, w{i}, 0x000F000F, 0x43004300, 0xEA;"]
+    lines += [f"sub.rn.bf16x2 p{i}, p{i}, bias;" for i in range(4)]
+    lines += [f"mul.rn.bf16x2 p{i}, p{i}, s{i};" for i in range(4)]
+    lines += [f"mov.b32 {{${i}, ${i + 4}}}, p{i};" for i in range(4)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# every value of a word times the word's one scale ($9)
+PAIRS_ASM = tl.constexpr(pairs_asm(("{$9, $9}",) * 4))
 
 
 @triton.jit

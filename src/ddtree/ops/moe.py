@@ -186,7 +186,8 @@ def fused_moe(
     out:        optional x.dtype [T, hidden] contiguous buffer for the result.
     workspace:  optional Workspace.empty(T, k, E, hidden, inter, x.dtype, x.device, block_m, S).
     block_m, block_n, block_k: tile sizes (powers of two >= 16), for tuning and tests; None:
-                block_m_for(T * k, E) and tiles_for(T * k + S * T, inter) (moe_int4.INT4_TILES for INT4 experts).
+                block_m_for(T * k, E) and tiles_for(T * k + S * T, inter) (moe_int4.INT4_TILES for INT4 experts,
+                INT4_INTERLEAVED_TILES for interleaved ones).
                 INT4 experts also take a block_m below 16 (a power of two): the row kernels
                 (moe_int4_rows.py; None chooses them up to INT4_ROWS_MAX pairs per expert where
                 moe_int4.int4_row_kernels says, with INT4_ROWS_TILES), whose sums are not the dequantized
@@ -206,12 +207,8 @@ def fused_moe(
     if block_m < 16 and not int4:
         raise ValueError(f"block_m must be a power of two >= 16 (tl.dot), got {block_m}: below 16 (the row "
                          "kernels) takes INT4 experts only")
-    if int4 and w_gate_up.interleaved:
-        wide_n, wide_k = moe_int4.INT4_INTERLEAVED_TILES
-        if block_m < 16:
-            raise ValueError(f"interleaved INT4 experts take tl.dot tiles only: block_m must be >= 16, got {block_m}")
-    elif int4:
-        wide_n, wide_k = moe_int4.INT4_ROWS_TILES if block_m < 16 else moe_int4.INT4_TILES
+    if int4:
+        wide_n, wide_k = moe_int4.int4_tiles(w_gate_up, block_m)
     else:
         wide_n, wide_k = tiles_for(ids.numel() + num_shared * tokens, inter)
     block_n = wide_n if block_n is None else block_n

@@ -86,6 +86,16 @@ def int4_unpack(x: torch.Tensor, w_gate_up: PackedInt4, w_down: PackedInt4) -> s
     return "pairs" if compiled_for_sm90(x.device) else "pairs_plain"
 
 
+def int4_tiles(w_gate_up: PackedInt4, block_m: int) -> tuple[int, int]:
+    """The default (block_n, block_k) of INT4 experts at block_m rows: the interleaved order's own
+    tiles (tl.dot only), the row kernels' below 16 rows, else INT4_TILES."""
+    if w_gate_up.interleaved:
+        if block_m < 16:
+            raise ValueError(f"interleaved INT4 experts take tl.dot tiles only: block_m must be >= 16, got {block_m}")
+        return INT4_INTERLEAVED_TILES
+    return INT4_ROWS_TILES if block_m < 16 else INT4_TILES
+
+
 def interleavable(w_gate_up: PackedInt4, w_down: PackedInt4, device: torch.device) -> bool:
     """Whether experts stored on `device` can take the interleaved order and tiles with the inline
     PTX (int4_interleaved.py): sm_90 or later, bf16 scales, group size 32, both depths multiples of 256."""

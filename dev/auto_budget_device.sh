@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
+#   dev/auto_budget_device.sh OUT suite ops int4gi int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -27,6 +27,13 @@ for part in "$@"; do
     ops) # 8 workers: with 4 these did not finish within OPS_S on an H100
       timeout "${OPS_S:-120}" python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_int4.py tests/ops/test_moe.py \
         tests/ops/test_moe_decode.py 2>&1 | tee "$out/ops.log" | tail -6 ;;
+    int4gi) # the interleaved INT4 order (session 47): its tests natively, one layer in both orders, K2.6 rounds
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_int4.py tests/ops/test_int4_interleaved.py \
+        > "$out/int4_tests.log" 2>&1; tail -1 "$out/int4_tests.log"
+      timeout "${INT4_S:-200}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 2080 \
+        --tiles auto,16x64x64:gi,64x64x64:gi --out "$out" 2>&1 | grep "^{" | cut -c1-400
+      timeout "${ROUND_S:-300}" python3 benchmarks/engine_round.py --config kimi-k2.6 --layers 4 --batches 1 8 32 \
+        --budgets 4 8 16 --e2e-batches --out "$out" 2>&1 | tail -3 ;;
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
                --tiles auto --out "$out" 2>&1 | tail -12 ;;
     int4vs) # the INT4 layer at HEAD beside INT4_BASE's (default 9820291, before the row kernels' restructure), one run

@@ -61,7 +61,6 @@ class InterleavedInt4Experts:
                     reorder_words_(packed.data, to_interleaved=True)
 
 
-
 def interleave_int4_experts(model: nn.Module) -> nn.Module:
     """Every INT4 MoE layer's experts in the interleaved order where its tiles run natively
     (InterleavedInt4Experts.interleave_int4_experts); returns the model."""

@@ -32,6 +32,9 @@ for part in "$@"; do
         > "$out/int4_tests.log" 2>&1; tail -1 "$out/int4_tests.log"
       timeout "${INT4_S:-200}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 2080 \
         --tiles auto,16x64x64:gi,64x64x64:gi --out "$out" 2>&1 | grep "^{" | cut -c1-400
+      # the same few-row tile on mma.sync instead of wgmma (which waits after every group's dot there)
+      DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-mma2 timeout "${INT4_S:-200}" python3 benchmarks/moe_paths.py \
+        --configs kimi-k2.6 --tokens 1 9 65 --tiles 16x64x64:gi --out "$out/mma2" 2>&1 | grep "^{" | cut -c1-300
       timeout "${ROUND_S:-300}" python3 benchmarks/engine_round.py --config kimi-k2.6 --layers 4 --batches 1 8 32 \
         --budgets 4 8 16 --e2e-batches --out "$out" 2>&1 | tail -3 ;;
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \

@@ -18,10 +18,10 @@ from ..ops.policy import KernelPolicy
 from ..parallel.checkpoint_parts import expert_range, tensor_part
 from ..parallel.shard import SINGLE, Shard
 from . import expert_weights
-from .int4_order import interleave_int4_experts
 from .config import TargetConfig, text_config
 from .drafter import Drafter
 from .drafter_config import DrafterConfig, check_pair
+from .int4_order import interleave_int4_experts
 from .layers import MoE, inv_freq_and_factor
 from .target import Target
 
@@ -122,8 +122,8 @@ def random_target(
     """A target with random weights made directly on `device` (no host copy, no checkpoint), for
     benchmarks at real shapes: norms 1, router bias 0, every other weight N(0, std^2); shard: the
     part one rank holds (parallel/shard.py)."""
-    return interleave_int4_experts(init_random(_empty_target(cfg, dtype, device, policy, shard), seed=seed, std=std)).eval()
-
+    model = init_random(_empty_target(cfg, dtype, device, policy, shard), seed=seed, std=std)
+    return interleave_int4_experts(model).eval()
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .int4_tiles import pairs_asm
+from .int4_tiles import pairs_asm, scale_half
 from .launch import dot
 
 # values i and i + 4 of a word are two columns of group i: their register times scale $9 + i
@@ -32,13 +32,6 @@ PAIRS_OF_GROUP_ASM = tl.constexpr(pairs_asm(("{$9, $9}", "{$10, $10}", "{$11, $1
 def _nibble(words, scale, i: tl.constexpr):
     """Value i of each word times its row's scale, rounded once to bf16 (the plain twin)."""
     return ((((words >> (4 * i)) & 0xF) - 8).to(tl.float32) * scale.to(tl.float32)[:, None]).to(tl.bfloat16)
-
-
-@triton.jit
-def _scale(pair, HIGH: tl.constexpr):
-    """The bf16 scale in the low (even group) or high (odd group) half of an int32 pair of scales."""
-    half = (pair >> 16) if HIGH else (pair & 0xFFFF)
-    return half.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -76,10 +69,10 @@ def _block(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, strid
     p1 = tl.load(pairs + 1, mask=col_ok, other=0)
     p2 = tl.load(pairs + 2, mask=col_ok, other=0)
     p3 = tl.load(pairs + 3, mask=col_ok, other=0)
-    acc = _half_block(acc, a_rows, row_ok, low, _scale(p0, False), _scale(p0, True), _scale(p1, False),
-                      _scale(p1, True), k0, BLOCK_N, DOT_F32, PTX)
-    return _half_block(acc, a_rows, row_ok, high, _scale(p2, False), _scale(p2, True), _scale(p3, False),
-                       _scale(p3, True), k0 + 128, BLOCK_N, DOT_F32, PTX)
+    acc = _half_block(acc, a_rows, row_ok, low, scale_half(p0, False), scale_half(p0, True), scale_half(p1, False),
+                      scale_half(p1, True), k0, BLOCK_N, DOT_F32, PTX)
+    return _half_block(acc, a_rows, row_ok, high, scale_half(p2, False), scale_half(p2, True), scale_half(p3, False),
+                       scale_half(p3, True), k0 + 128, BLOCK_N, DOT_F32, PTX)
 
 
 @triton.jit

@@ -69,6 +69,13 @@ def _pairs(words, scale, PTX: tl.constexpr):
 
 
 @triton.jit
+def scale_half(pair, HIGH: tl.constexpr):
+    """The bf16 scale in the low (even group) or high (odd group) half of an int32 pair of scales."""
+    half = (pair >> 16) if HIGH else (pair & 0xFFFF)
+    return half.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _scale_pairs(scale_ptr, rows, k0, depth, col_ok, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP: tl.constexpr):
     """Each of the step's words' bf16 group scale, [BLOCK_K / 8, BLOCK_N], read as int32 words that
@@ -80,9 +87,7 @@ def _scale_pairs(scale_ptr, rows, k0, depth, col_ok, stride_sn, BLOCK_N: tl.cons
     mask = col_ok[:, None] & (pair * (2 * GROUP) < depth)[None, :]
     both = tl.load(scale_ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_sn // 2) + pair[None, :], mask=mask,
                    other=0)  # [BLOCK_N, GROUPS / 2]
-    low = (both & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    high = (both >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    scale = tl.trans(tl.reshape(tl.join(low, high), (BLOCK_N, GROUPS)))  # [GROUPS, BLOCK_N]
+    scale = tl.trans(tl.reshape(tl.join(scale_half(both, False), scale_half(both, True)), (BLOCK_N, GROUPS)))
     return tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, WORDS // GROUPS, BLOCK_N)), (WORDS, BLOCK_N))
 
 

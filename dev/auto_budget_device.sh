@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4gi int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
+#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -48,6 +48,14 @@ for part in "$@"; do
         --tiles auto,1x32x256,1x8x256 --out "$out/int4head" 2>&1 | grep "^| kimi"
       DDTREE_COMMIT=$base timeout "${INT4_S:-150}" python3 /tmp/int4base/benchmarks/moe_paths.py --configs kimi-k2.6 \
         --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles auto --out "$out/int4base" 2>&1 | grep "^| kimi" ;;
+    int4gibase) # the interleaved tiles at HEAD beside INT4_BASE's (.base/<commit>, carried), one run
+      base=${INT4_BASE:-dfe49df}
+      [ -d ".base/$base" ] || { echo "no .base/$base here"; continue; }
+      timeout "${INT4_S:-200}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} \
+        --tiles "${INT4_TILES:-16x64x64:gi,64x64x64s2:gi}" --out "$out/int4head" 2>&1 | grep "^| kimi"
+      DDTREE_COMMIT=$base PYTHONPATH=.base/$base/src timeout "${INT4_S:-200}" python3 .base/$base/benchmarks/moe_paths.py \
+        --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles "${INT4_TILES:-16x64x64:gi,64x64x64s2:gi}" \
+        --out "$out/int4base" 2>&1 | grep "^| kimi" ;;
     tpbase) # issue 25: engine_round (Moonlight) just before the tensor-parallel commits and just after, one run;
             # each tree git-archived here under .base/<commit> (carry .base)
       for c in ${TP_BASES:-b02c2c6 fd3c16f}; do

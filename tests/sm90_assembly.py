@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def assemble(compiled) -> dict:
     """compiled: triton.compile's result for a cuda sm_90 target -> {"registers", "spill_bytes",
-    "sass"}: registers per thread and spilled bytes from `ptxas -v`, SASS from cuobjdump."""
+    "sass", "serialized_wgmma"}: registers per thread and spilled bytes from `ptxas -v`, SASS from
+    cuobjdump; serialized_wgmma: ptxas made every wgmma of the kernel wait for the last (its
+    performance advisory C7515, e.g. for an accumulator other instructions define mid-flight)."""
     import triton  # a Linux-only dependency: imported when a kernel is assembled
 
     nvidia_bin = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -31,7 +33,8 @@ def assemble(compiled) -> dict:
         sass = subprocess.run([str(nvidia_bin / "cuobjdump"), "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
     return {"registers": int(re.search(r"Used (\d+) registers", info)[1]),
-            "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)), "sass": sass}
+            "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info)), "sass": sass,
+            "serialized_wgmma": "C7515" in info}
 
 
 def compiled_in_fresh_interpreter(code: str):

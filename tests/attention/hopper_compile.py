@@ -57,6 +57,7 @@ def compile_report(page_rows: int = 64, epilogue: int = 2) -> dict:
         "shared": compiled.metadata.shared,
         "registers": asm["registers"],
         "spill_bytes": asm["spill_bytes"],
+        "serialized_wgmma": asm["serialized_wgmma"],
         "hgmma": Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", asm["sass"])),
         "ttgir": compiled.asm["ttgir"],
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),

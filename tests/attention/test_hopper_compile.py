@@ -23,6 +23,7 @@ def test_kernel_fits_an_sm_and_does_no_mma_twice(page_rows, epilogue):
     # A few spilled words (40-52 B since the row sums became per-column accumulators, which
     # measured 2-3% faster than the spill-free version); a larger spill means a regression.
     assert report["registers"] <= 255 and report["spill_bytes"] <= 64, (report["registers"], report["spill_bytes"])
+    assert not report["serialized_wgmma"]  # ptxas's C7515: every wgmma waiting for the last
     assert report["pdl_waits"] == 1 and report["waits_first"]  # as launched on the H200, with PDL (ops/launch.py)
     # Per 64 x 64 tile and warpgroup: S over 576 dims in k-steps of 16 (36 x n32, the warpgroup's
     # own key columns) and P.V over 64 keys (4 x n256, its own value columns). Triton's own

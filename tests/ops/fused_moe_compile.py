@@ -24,7 +24,8 @@ NOT_DIVISIBLE = {"num_pairs", "num_tokens", "top_k", "num_experts", "num_blocks"
 
 def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1,
                    not_divisible: tuple[str, ...] = ()) -> dict:
-    """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "async_copies": n,
+    """{"shared": bytes, "registers": n, "spill_bytes": n, "mma": n SASS HMMA/HGMMA, "serialized_wgmma":
+    ptxas made each wgmma wait for the last (sm90_assembly.assemble), "async_copies": n,
     "approx_divides": n PTX div.full / div.approx, "pdl_waits": n griddepcontrol.wait,
     "waits_first": the first wait comes before any global memory access, "word_vector_copies": n,
     "vector_loads": n} for `fn` compiled for sm_90a; pointers maps pointer and non-i32 arguments to
@@ -49,6 +50,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         "registers": asm["registers"],
         "spill_bytes": asm["spill_bytes"],
         "mma": len(re.findall(r"\bHG?MMA\.", asm["sass"])),
+        "serialized_wgmma": asm["serialized_wgmma"],
         "async_copies": compiled.asm["ttgir"].count("ttg.async_copy_global_to_local"),
         # INT4 words copied 16 bytes at a time (4 adjacent int32 per copy)
         "word_vector_copies": len(re.findall(r"async_copy_global_to_local.*\{contiguity = (?:4|8) : i32\} : "
@@ -114,6 +116,10 @@ def all_reports() -> dict[str, dict]:
            for unpack, flags in (("pairs", pairs), ("interleaved", interleaved))
            for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
                                           ("down", fused_moe_kernels.down_kernel, down_pointers))},
+        # the interleaved tiles at a tree verify's many rows per expert, as launched there
+        "gate_up_int4_interleaved_many": compile_report(
+            fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), dict(interleaved, BLOCK_M=64),
+            num_warps=fused_moe.NUM_WARPS, num_stages=moe_int4.INT4_INTERLEAVED_STAGES_MANY),
         # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two
         "gate_up_rows": compile_report(moe_int4_rows.gate_up_rows_kernel,
                                        dict(x_ptr=dtype, w_ptr="*i32", gu_ptr="*fp32", scale_ptr=dtype, **index_i64),

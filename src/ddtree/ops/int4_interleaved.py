@@ -48,10 +48,12 @@ def _half_block(acc, a_rows, row_ok, words, s0, s1, s2, s3, k0, BLOCK_N: tl.cons
     else:
         e = (_nibble(words, s0, 0), _nibble(words, s1, 1), _nibble(words, s2, 2), _nibble(words, s3, 3),
              _nibble(words, s0, 4), _nibble(words, s1, 5), _nibble(words, s2, 6), _nibble(words, s3, 7))
-    for i in tl.static_range(4):
-        w = tl.reshape(tl.join(e[i], e[i + 4]), (BLOCK_N, 32))  # group i's columns 2c, 2c + 1 side by side
-        a = tl.load(a_rows[:, None] + (k0 + 32 * i + tl.arange(0, 32))[None, :], mask=row_ok[:, None], other=0.0)
-        acc = dot(w, tl.trans(a).to(tl.bfloat16), acc, DOT_F32, "tf32")
+    # [n, c, j, b, a] = column 2c + j of group 2a + b, permuted to the natural order 64a + 32b + 2c + j
+    # (each thread holds the same words for every group, so this relabels registers)
+    pairs = tl.join(tl.join(tl.join(e[0], e[4]), tl.join(e[1], e[5])), tl.join(tl.join(e[2], e[6]), tl.join(e[3], e[7])))
+    w = tl.reshape(tl.permute(pairs, (0, 4, 3, 1, 2)), (BLOCK_N, 128))
+    a = tl.load(a_rows[:, None] + (k0 + tl.arange(0, 128))[None, :], mask=row_ok[:, None], other=0.0)
+    acc = dot(w, tl.trans(a).to(tl.bfloat16), acc, DOT_F32, "tf32")
     return acc
 
 
@@ -81,8 +83,12 @@ def swiglu_tile_w4i(a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, inter
     """silu(x @ Wg) * (x @ Wu), float32 [BLOCK_M, BLOCK_N], for activation rows a_rows [BLOCK_M]
     (pointers at column 0) and gate rows offs_n, up rows inter + offs_n of one expert's interleaved
     weight (packed_ptr, scale_ptr at the expert). hidden: a multiple of 256."""
+    # The loop runs at least once: otherwise the zeros it would hand on are an accumulator that
+    # other instructions define while a wgmma may be in flight, and ptxas serializes every wgmma
+    # of the kernel (its advisory C7515), each waiting for the last.
     acc_gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    tl.assume(hidden >= 256)
     for k0 in range(0, hidden, 256):
         acc_gate = _block(acc_gate, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
                           BLOCK_N, DOT_F32, PTX)
@@ -97,6 +103,7 @@ def matmul_tile_w4i(a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
     """a @ W^T for rows offs_n of one expert's interleaved weight [out, depth]: float32 [BLOCK_M, BLOCK_N]."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    tl.assume(depth >= 256)  # as in swiglu_tile_w4i
     for k0 in range(0, depth, 256):
         acc = _block(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
                      BLOCK_N, DOT_F32, PTX)

@@ -8,11 +8,12 @@ group 4 (w // 16) + i % 4. So one lop3 makes a register of two adjacent columns 
 pair the tensor cores' operand layout puts in a register), nibble i of 16 words is a whole
 32-column group (one scale per output row), and every step is elementwise from the loaded words:
 the compiler unpacks them in the operand layout itself (no shared-memory round trip). The product
-is computed transposed, acc^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, 32] @ x^T [32, BLOCK_M] per group,
-so the weights, not the few rows, fill the tensor cores' 64-row side.
+is computed transposed, acc^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, 128] @ x^T [128, BLOCK_M] per half
+block (its four groups' values relabeled to the natural column order, which moves no register
+between threads), so the weights, not the few rows, fill the tensor cores' 64-row side.
 
-Values are q * scale rounded once to bf16, as int4.dequantize_int4 rounds; the sums run group by
-group, so they are not the dequantized twin's to the bit (within float32 rounding). Needs bf16
+Values are q * scale rounded once to bf16, as int4.dequantize_int4 rounds; the sums run 128 columns
+at a time, so they are not the dequantized twin's to the bit (within float32 rounding). Needs bf16
 activations and scales, group size 32 and depths a multiple of 256 (moe_int4.check_int4).
 """
 

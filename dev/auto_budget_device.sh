@@ -52,7 +52,7 @@ for part in "$@"; do
       base=${INT4_BASE:-dfe49df}
       [ -d ".base/$base" ] || { echo "no .base/$base here"; continue; }
       timeout "${INT4_S:-200}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} \
-        --tiles "${INT4_TILES:-16x64x64:gi,64x64x64s2:gi}" --out "$out/int4head" 2>&1 | grep "^| kimi"
+        --tiles "${INT4_HEAD_TILES:-16x64x64:gi,64x64x64s2:gi,64x128x64w8s2:gi}" --out "$out/int4head" 2>&1 | grep "^| kimi"
       DDTREE_COMMIT=$base PYTHONPATH=.base/$base/src timeout "${INT4_S:-200}" python3 .base/$base/benchmarks/moe_paths.py \
         --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles "${INT4_TILES:-16x64x64:gi,64x64x64s2:gi}" \
         --out "$out/int4base" 2>&1 | grep "^| kimi" ;;

@@ -72,6 +72,11 @@ def test_what_the_interleaved_order_cannot_take_is_refused(kernel_device):
         interleave_int4(quantize_int4(torch.randn(2, 4, 512), 64))
     with pytest.raises(ValueError, match="multiple of 256"):
         interleave_int4(quantize_int4(torch.randn(2, 4, 320), 32))
+    empty = PackedInt4(torch.zeros(2, 4, 0, dtype=torch.int32), torch.zeros(2, 4, 0, dtype=torch.bfloat16), 32)
+    with pytest.raises(ValueError, match="positive multiple of 256"):  # the kernels' K loops run at least once
+        interleave_int4(empty)
+    with pytest.raises(ValueError, match="positive multiple of 256"):
+        PackedInt4(empty.packed, empty.scale, 32, True).check("w", (2,), 4, 0, torch.device("cpu"))
     case = CASES[0]
     x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device, group=32)
     gi, di = interleave_int4(gate_up), interleave_int4(down)

@@ -47,9 +47,9 @@ class PackedInt4:
             raise ValueError(f"{name}: {in_} input columns must be a multiple of 8 and of group_size={g}")
         if g % VALUES_PER_WORD:  # the kernels read one scale per packed word
             raise ValueError(f"{name}: group_size={g} must be a multiple of 8")
-        if self.interleaved and (g != INTERLEAVE_GROUP or in_ % INTERLEAVE_BLOCK):
+        if self.interleaved and (g != INTERLEAVE_GROUP or in_ < INTERLEAVE_BLOCK or in_ % INTERLEAVE_BLOCK):
             raise ValueError(f"{name}: interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a "
-                             f"multiple of {INTERLEAVE_BLOCK}, got {g} and {in_}")
+                             f"positive multiple of {INTERLEAVE_BLOCK}, got {g} and {in_}")
         if self.packed.dtype != torch.int32 or tuple(self.packed.shape) != want_packed:
             raise ValueError(f"{name}.packed must be int32 {list(want_packed)}, got {self.packed.dtype} "
                              f"{list(self.packed.shape)}")
@@ -95,9 +95,10 @@ def interleave_int4(weights: PackedInt4) -> PackedInt4:
     block's values, the scales unchanged. Needs group_size 32 and input columns a multiple of 256."""
     if weights.interleaved:
         return weights
-    if weights.group_size != INTERLEAVE_GROUP or weights.in_features % INTERLEAVE_BLOCK:
-        raise ValueError(f"interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a multiple of "
-                         f"{INTERLEAVE_BLOCK}, got {weights.group_size} and {weights.in_features}")
+    if (weights.group_size != INTERLEAVE_GROUP or weights.in_features < INTERLEAVE_BLOCK
+            or weights.in_features % INTERLEAVE_BLOCK):
+        raise ValueError(f"interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a positive "
+                         f"multiple of {INTERLEAVE_BLOCK}, got {weights.group_size} and {weights.in_features}")
     packed = weights.packed.clone()
     reorder_words_(packed, to_interleaved=True)
     return PackedInt4(packed, weights.scale, weights.group_size, True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
+#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -56,6 +56,8 @@ for part in "$@"; do
       DDTREE_COMMIT=$base PYTHONPATH=.base/$base/src timeout "${INT4_S:-200}" python3 .base/$base/benchmarks/moe_paths.py \
         --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles "${INT4_TILES:-16x64x64:gi,64x64x64s2:gi}" \
         --out "$out/int4base" 2>&1 | grep "^| kimi" ;;
+    int4split) timeout "${INT4_S:-200}" python3 dev/int4_kernel_split.py --tokens ${INT4_TOKENS:-1 9 65 2080} \
+                 --tiles ${INT4_SPLIT_TILES:-16x64x64 64x64x64s2} 2>&1 | tee "$out/int4_split.log" ;;
     tpbase) # issue 25: engine_round (Moonlight) just before the tensor-parallel commits and just after, one run;
             # each tree git-archived here under .base/<commit> (carry .base)
       for c in ${TP_BASES:-b02c2c6 fd3c16f}; do

@@ -14,7 +14,7 @@ pytest.importorskip("zmq")
 
 import zmq  # noqa: E402
 
-from ddtree.server import engine_core  # noqa: E402
+from ddtree.server import receiver  # noqa: E402
 from ddtree.server.engine_core import EngineCore  # noqa: E402
 from ddtree.server.jobs import Chunk, Failed, Handle, Usage  # noqa: E402
 from ddtree.server.outputs import TextOutputs  # noqa: E402
@@ -71,7 +71,7 @@ async def _drain(handle: Handle) -> list:
 
 
 def test_a_backlog_longer_than_one_wake_up_reaches_every_request_in_order():
-    turns = 3 * engine_core.MAX_TURNS + 5
+    turns = 3 * receiver.MAX_TURNS + 5
     requests = ["a", "b", "c"]
 
     async def run():

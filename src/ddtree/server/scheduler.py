@@ -269,16 +269,18 @@ class Scheduler:
             return
         now = time.perf_counter()
         self.metrics.round_seconds.observe(now - start)
-        # counted once a step (an engine core sends each update), before the chunks that hold them go out
-        committed = sum(len(out.new_token_ids) for out in outputs if out.request_id in self._live)
-        if committed:
-            self.metrics.generated_tokens.inc(committed)
+        ours = []
         for out in outputs:
             live = self._live.get(out.request_id)
-            if live is None:  # not ours (cannot happen through the server): do not let it leak
-                if out.finished:
-                    self._forget(out.request_id)
-                continue
+            if live is not None:
+                ours.append((live, out))
+            elif out.finished:  # not ours (cannot happen through the server): do not let it leak
+                self._forget(out.request_id)
+        # counted once a step (an engine core sends each update), before the chunks that hold them go out
+        committed = sum(len(out.new_token_ids) for _, out in ours)
+        if committed:
+            self.metrics.generated_tokens.inc(committed)
+        for live, out in ours:
             try:
                 self._deliver(live, out, now)
             except Exception:

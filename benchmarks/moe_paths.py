@@ -17,7 +17,8 @@ and against the floors.
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
 about uniform, as in a balanced trained model). Each time is the median of CUDA-graph replays
-(common.time_graph_us), the router excluded: both paths get the same ids. The grouped path is
+(common.time_graph_us), the router excluded: both paths get the same ids. auto takes the INT4 experts
+in the group-interleaved order where the models do (sm_90, group 32). The grouped path is
 timed for 16-bit experts only (INT4's is a reference that dequantizes every chosen expert).
 floor = distinct experts touched x bytes per expert (as stored) / copy bandwidth; compute floor =
 2 x tokens x k x 3 x hidden x inter FLOPs / bf16 matmul rate; both measured in this run.
@@ -114,7 +115,10 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
     expert_bytes = sum(p.numel() * p.element_size() for p in stored) / e
     experts = layer.experts()
     int4 = layer.int4 is not None
-    gi = any(tile and tile[5] == "gi" for tile in tiles)
+    # auto: fused_moe's choice on the experts as the models store them, in the interleaved order
+    # where it runs natively (models/int4_order.py), as the engine runs them
+    native_gi = int4 and moe_int4.interleavable(*experts, experts[0].packed.device)
+    gi = native_gi or any(tile and tile[5] == "gi" for tile in tiles)
     interleaved = tuple(interleave_int4(w) for w in experts) if int4 and gi else None
     rows = []
     for t in tokens:
@@ -137,7 +141,7 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
             # auto: fused_moe's own choice (block_m_for, tiles_for)
             m, n, k, warps, stages, unpack = tile or (None,) * 6
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
-            weights_of_tile = interleaved if unpack == "gi" else experts
+            weights_of_tile = interleaved if unpack == "gi" or (tile is None and native_gi) else experts
             if weights_of_tile is None:
                 raise SystemExit(f"--tiles {tile_name(tile)}: :gi takes INT4 experts only")
             with launch_settings(warps, stages, unpack):
@@ -201,7 +205,8 @@ def report(rows: list[dict], tiles, ceilings: dict) -> str:
           *[f"{r[f'fused_{t}_us']:.1f}" for t in tile_names], fmt(r["grouped_over_best_fused"], ".2f"),
           f"{r['best_fused_over_floor']:.2f}"] for r in rows])
     return (f"One routed-expert layer (shared expert left out, router excluded), random weights; tiles are "
-            f"BLOCK_M x BLOCK_N x BLOCK_K, auto is fused_moe's own choice (block_m_for, tiles_for). MoE takes the "
+            f"BLOCK_M x BLOCK_N x BLOCK_K, auto is fused_moe's own choice (block_m_for, tiles_for; INT4 experts in "
+            f"the interleaved order where the models take it). MoE takes the "
             f"fused path automatically at <= {KernelPolicy().moe_fused_max_tokens} tokens. Measured ceilings: copy "
             f"{ceilings['copy_bandwidth_GBps']:.0f} GB/s, bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s.\n\n"
             + table)

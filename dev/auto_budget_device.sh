@@ -40,6 +40,7 @@ for part in "$@"; do
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
                --tiles auto --out "$out" 2>&1 | tail -12 ;;
     int4vs) # the INT4 layer at HEAD beside INT4_BASE's (default 9820291, before the row kernels' restructure), one run
+      # (HEAD's auto takes the interleaved order on sm_90 since 2b09ade; 9820291's is the checkpoint's)
       # the base tree: .base/<commit> when carried (git archive here), else from the device's .git
       base=${INT4_BASE:-9820291}; rm -rf /tmp/int4base && mkdir -p /tmp/int4base
       if [ -d ".base/$base" ]; then cp -r ".base/$base/." /tmp/int4base; else git archive "$base" src benchmarks/moe_paths.py \
@@ -48,13 +49,14 @@ for part in "$@"; do
         --tiles auto,1x32x256,1x8x256 --out "$out/int4head" 2>&1 | grep "^| kimi"
       DDTREE_COMMIT=$base timeout "${INT4_S:-150}" python3 /tmp/int4base/benchmarks/moe_paths.py --configs kimi-k2.6 \
         --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles auto --out "$out/int4base" 2>&1 | grep "^| kimi" ;;
-    int4gibase) # the interleaved tiles at HEAD beside INT4_BASE's (.base/<commit>, carried), one run
-      base=${INT4_BASE:-dfe49df}
+    int4gibase) # the interleaved tiles at HEAD beside GI_BASE's (.base/<commit>, carried: git archive src
+                # benchmarks/moe_paths.py benchmarks/common.py benchmarks/configs), the same tiles, one run
+      base=${GI_BASE:-dfe49df}
       [ -d ".base/$base" ] || { echo "no .base/$base here"; continue; }
       timeout "${INT4_S:-200}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} \
-        --tiles "${INT4_HEAD_TILES:-16x64x64:gi,64x64x64s2:gi,64x128x64w8s2:gi}" --out "$out/int4head" 2>&1 | grep "^| kimi"
-      DDTREE_COMMIT=$base PYTHONPATH=.base/$base/src timeout "${INT4_S:-200}" python3 .base/$base/benchmarks/moe_paths.py \
-        --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles "${INT4_TILES:-16x64x64:gi,64x64x64s2:gi}" \
+        --tiles "${GI_TILES:-16x64x64:gi,64x64x64s2:gi,64x128x64w8s2:gi}" --out "$out/int4head" 2>&1 | grep "^| kimi"
+      DDTREE_COMMIT=$base timeout "${INT4_S:-200}" python3 .base/$base/benchmarks/moe_paths.py \
+        --configs kimi-k2.6 --tokens ${INT4_TOKENS:-1 9 65 2080} --tiles "${GI_TILES:-16x64x64:gi,64x64x64s2:gi,64x128x64w8s2:gi}" \
         --out "$out/int4base" 2>&1 | grep "^| kimi" ;;
     int4split) timeout "${INT4_S:-200}" python3 dev/int4_kernel_split.py --tokens ${INT4_TOKENS:-1 9 65 2080} \
                  --tiles ${INT4_SPLIT_TILES:-16x64x64 64x64x64s2} 2>&1 | tee "$out/int4_split.log" ;;

@@ -59,3 +59,16 @@ def waits_before_memory(ptx: str) -> bool:
     wait = ptx.find("griddepcontrol.wait")
     first = GLOBAL_ACCESS.search(ptx)
     return wait >= 0 and (first is None or wait < first.start())
+
+
+
+def longest_loop(sass: str) -> list[str]:
+    """The SASS instructions (opcode and operands) of the longest loop body: from the target of a
+    backward branch to the branch, the longest such span (a kernel's main K loop)."""
+    addressed = [(int(m[1], 16), m[2].strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = None
+    for at, text in addressed:
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m[1], 16) < at and (best is None or at - int(m[1], 16) > best[1] - best[0]):
+            best = (int(m[1], 16), at)
+    return [] if best is None else [text for at, text in addressed if best[0] <= at <= best[1]]

@@ -15,7 +15,7 @@ from ddtree.ops import moe as fused_moe
 from ddtree.ops import moe_align, moe_int4, moe_int4_rows
 from ddtree.ops import moe_kernels as fused_moe_kernels
 
-from ..sm90_assembly import assemble, waits_before_memory
+from ..sm90_assembly import assemble, longest_loop, waits_before_memory
 
 # Integer arguments that a launch at Kimi K2 / Moonlight shapes does not see as multiples of 16;
 # Triton specializes every other pointer and integer there as 16-divisible, and so does this.
@@ -45,6 +45,7 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     asm = assemble(compiled)
+    loop = [text.split()[1] if text.startswith("@") else text.split()[0] for text in longest_loop(asm["sass"])]
     return {
         "shared": compiled.metadata.shared,
         "registers": asm["registers"],
@@ -61,6 +62,10 @@ def compile_report(fn, pointers: dict[str, str], constants: dict, num_warps: int
         "blocking_tile_loads": len(re.findall(r"= tt\.load [^\n]*: tensor<\d+x\d+x!tt\.ptr", compiled.asm["ttgir"])),
         # register tensors stored to shared memory (an unpacked weight tile on its way to the MMA)
         "stored_register_tiles": compiled.asm["ttgir"].count("ttg.local_alloc %"),
+        # values its main (K) loop moves between threads or stores to shared memory itself, as a
+        # layout conversion would (SASS; asynchronous copies are LDGSTS, not counted)
+        "loop_shuffles": sum(op.startswith("SHFL") for op in loop),
+        "loop_shared_stores": sum(op.startswith("STS") for op in loop),
         "approx_divides": len(re.findall(r"\bdiv\.(full|approx)\.", compiled.asm["ptx"])),  # fast, not IEEE
         "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", asm["sass"], re.MULTILINE)),  # SASS, per thread
         "pdl_waits": compiled.asm["ptx"].count("griddepcontrol.wait"),
@@ -117,9 +122,11 @@ def all_reports() -> dict[str, dict]:
            for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
                                           ("down", fused_moe_kernels.down_kernel, down_pointers))},
         # the interleaved tiles at a tree verify's many rows per expert, as launched there
-        "gate_up_int4_interleaved_many": compile_report(
-            fused_moe_kernels.gate_up_kernel, dict(gate_up_pointers, w_ptr="*i32"), dict(interleaved, BLOCK_M=64),
-            num_warps=fused_moe.NUM_WARPS, num_stages=moe_int4.INT4_INTERLEAVED_STAGES_MANY),
+        **{f"{name}_int4_interleaved_many": compile_report(
+            kernel, dict(pointers, w_ptr="*i32"), dict(interleaved, BLOCK_M=64),
+            num_warps=fused_moe.NUM_WARPS, num_stages=moe_int4.INT4_INTERLEAVED_STAGES_MANY)
+           for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
+                                          ("down", fused_moe_kernels.down_kernel, down_pointers))},
         # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two
         "gate_up_rows": compile_report(moe_int4_rows.gate_up_rows_kernel,
                                        dict(x_ptr=dtype, w_ptr="*i32", gu_ptr="*fp32", scale_ptr=dtype, **index_i64),

@@ -22,7 +22,7 @@ class InterleavedInt4Experts:
     def interleave_int4_experts(self) -> bool:
         """Reorder the INT4 experts' words in place into int4.interleave_int4's order where fused_moe's
         interleaved tiles run natively (moe_int4.interleavable: sm_90, bf16, group 32, widths a
-        multiple of 256); returns whether they are in that order now. Call once after loading, outside
+        positive multiple of 256); returns whether they are in that order now. Call once after loading, outside
         any CUDA graph capture (it synchronizes). state_dict, moves and casts see the checkpoint's
         order (_save_to_state_dict, _load_from_state_dict, _apply)."""
         if self.int4 is None or self.int4_interleaved:

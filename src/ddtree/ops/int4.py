@@ -84,7 +84,7 @@ def interleave_order(device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 [INTERLEAVE_BLOCK]: the column, within its block, of value v = 8 w + i (word w, bits
     4i .. 4i + 3) of the group-interleaved order. Nibbles i and i + 4 of word w hold columns 2c and
     2c + 1 (c = w % 16) of group 4 (w // 16) + i % 4: one lop3 makes them one register of a K-pair,
-    and each group is one K = 32 slice (int4_interleaved.py)."""
+    and the four groups of 16 words are one K = 128 dot (int4_interleaved.py)."""
     v = torch.arange(INTERLEAVE_BLOCK, device=device)
     word, i = v // VALUES_PER_WORD, v % VALUES_PER_WORD
     return INTERLEAVE_GROUP * (4 * (word // 16) + i % 4) + 2 * (word % 16) + i // 4
@@ -92,7 +92,8 @@ def interleave_order(device: torch.device | str = "cpu") -> torch.Tensor:
 
 def interleave_int4(weights: PackedInt4) -> PackedInt4:
     """The same weights in the group-interleaved order (interleave_order): a permutation of each
-    block's values, the scales unchanged. Needs group_size 32 and input columns a multiple of 256."""
+    block's values, the scales unchanged. Needs group_size 32 and input columns a positive multiple
+    of 256."""
     if weights.interleaved:
         return weights
     if (weights.group_size != INTERLEAVE_GROUP or weights.in_features < INTERLEAVE_BLOCK

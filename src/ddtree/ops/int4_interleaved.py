@@ -14,7 +14,7 @@ between threads), so the weights, not the few rows, fill the tensor cores' 64-ro
 
 Values are q * scale rounded once to bf16, as int4.dequantize_int4 rounds; the sums run 128 columns
 at a time, so they are not the dequantized twin's to the bit (within float32 rounding). Needs bf16
-activations and scales, group size 32 and depths a multiple of 256 (moe_int4.check_int4).
+activations and scales, group size 32 and depths a positive multiple of 256 (moe_int4.check_int4).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def swiglu_tile_w4i(a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, inter
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
     """silu(x @ Wg) * (x @ Wu), float32 [BLOCK_M, BLOCK_N], for activation rows a_rows [BLOCK_M]
     (pointers at column 0) and gate rows offs_n, up rows inter + offs_n of one expert's interleaved
-    weight (packed_ptr, scale_ptr at the expert). hidden: a multiple of 256."""
+    weight (packed_ptr, scale_ptr at the expert). hidden: a positive multiple of 256."""
     # The loop runs at least once: otherwise the zeros it would hand on are an accumulator that
     # other instructions define while a wgmma may be in flight, and ptxas serializes every wgmma
     # of the kernel (its advisory C7515), each waiting for the last.

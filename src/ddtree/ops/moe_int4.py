@@ -98,7 +98,8 @@ def int4_tiles(w_gate_up: PackedInt4, block_m: int) -> tuple[int, int]:
 
 def interleavable(w_gate_up: PackedInt4, w_down: PackedInt4, device: torch.device) -> bool:
     """Whether experts stored on `device` can take the interleaved order and tiles with the inline
-    PTX (int4_interleaved.py): sm_90 or later, bf16 scales, group size 32, both depths multiples of 256."""
+    PTX (int4_interleaved.py): sm_90 or later, bf16 scales, group size 32, both depths positive
+    multiples of 256."""
     return (compiled_for_sm90(device) and w_gate_up.group_size == INTERLEAVE_GROUP
             and all(w.scale.dtype == torch.bfloat16 and w.in_features % INTERLEAVE_BLOCK == 0 and w.in_features > 0
                     for w in (w_gate_up, w_down)))

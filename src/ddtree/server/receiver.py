@@ -23,7 +23,8 @@ MAX_TURNS = 64  # the core's turns one wake-up of the receiver routes at most
 
 class TurnReceiver:
     """EngineCore's receiving half; it reads and changes the state EngineCore sets up (_from_core,
-    _handles, _waiting, _outputs, _lock, _stopping, _process, snapshot, metrics, on_death)."""
+    _handles, _waiting, _outputs, _lock, _stopping, _receiver_ended, _process, snapshot, metrics,
+    died, on_death) and sends through its _send."""
 
     def _receive(self) -> None:
         while not self._stopping.is_set():

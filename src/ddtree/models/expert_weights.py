@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from ..ops.int4 import reorder_words_
+from ..ops.int4 import reordered_words
 from .config import TargetConfig
 from .layers import MoE
 
@@ -92,10 +92,8 @@ def checkpoint_tensors_of(moe: MoE, layer: int, cfg: TargetConfig) -> dict[str, 
                 continue
             words = getattr(moe, stack + "_packed")[e, rows].detach()
             if moe.int4_interleaved:  # a GPU's order: the checkpoint holds compressed-tensors'
-                words = words.clone()
-                reorder_words_(words, to_interleaved=False)
+                words = reordered_words(words, to_interleaved=False)
             out[name + "weight_packed"] = words
             out[name + "weight_scale"] = getattr(moe, stack + "_scale")[e, rows].detach()
             out[name + "weight_shape"] = torch.tensor(shape)
     return out
-

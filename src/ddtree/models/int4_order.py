@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.int4 import reorder_words_
+from ..ops.int4 import reorder_words_, reordered_words
 from ..ops.moe_int4 import interleavable
 
 
@@ -49,16 +49,12 @@ class InterleavedInt4Experts:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.int4_interleaved:  # the state is the checkpoint's order, whatever the device holds
             for name in ("w_gate_up_packed", "w_down_packed"):
-                words = destination[prefix + name].detach().clone()
-                reorder_words_(words, to_interleaved=False)
-                destination[prefix + name] = words
+                destination[prefix + name] = reordered_words(destination[prefix + name], to_interleaved=False)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.int4_interleaved and all(prefix + name in state_dict for name in ("w_gate_up_packed", "w_down_packed")):
-            with torch.no_grad():  # loaded in the checkpoint's order into storage read as interleaved
-                for packed in (self.w_gate_up_packed, self.w_down_packed):
-                    reorder_words_(packed.data, to_interleaved=True)
+            self._reorder(to_interleaved=True)  # loaded in the checkpoint's order into storage read as interleaved
 
 
 def interleave_int4_experts(model: nn.Module) -> nn.Module:

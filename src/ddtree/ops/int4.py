@@ -47,7 +47,7 @@ class PackedInt4:
             raise ValueError(f"{name}: {in_} input columns must be a multiple of 8 and of group_size={g}")
         if g % VALUES_PER_WORD:  # the kernels read one scale per packed word
             raise ValueError(f"{name}: group_size={g} must be a multiple of 8")
-        if self.interleaved and (g != INTERLEAVE_GROUP or in_ < INTERLEAVE_BLOCK or in_ % INTERLEAVE_BLOCK):
+        if self.interleaved and not interleave_fits(g, in_):
             raise ValueError(f"{name}: interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a "
                              f"positive multiple of {INTERLEAVE_BLOCK}, got {g} and {in_}")
         if self.packed.dtype != torch.int32 or tuple(self.packed.shape) != want_packed:
@@ -80,6 +80,13 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return (nibbles << shifts).sum(-1, dtype=torch.int32)  # disjoint bits: the sum is the OR
 
 
+def interleave_fits(group_size: int, in_features: int) -> bool:
+    """Whether weights of this group size and depth can take the group-interleaved order: group 32
+    and a positive multiple of 256 input columns (the interleaved tiles' K loops run at least once)."""
+    return (group_size == INTERLEAVE_GROUP and in_features >= INTERLEAVE_BLOCK
+            and in_features % INTERLEAVE_BLOCK == 0)
+
+
 def interleave_order(device: torch.device | str = "cpu") -> torch.Tensor:
     """int64 [INTERLEAVE_BLOCK]: the column, within its block, of value v = 8 w + i (word w, bits
     4i .. 4i + 3) of the group-interleaved order. Nibbles i and i + 4 of word w hold columns 2c and
@@ -96,13 +103,10 @@ def interleave_int4(weights: PackedInt4) -> PackedInt4:
     of 256."""
     if weights.interleaved:
         return weights
-    if (weights.group_size != INTERLEAVE_GROUP or weights.in_features < INTERLEAVE_BLOCK
-            or weights.in_features % INTERLEAVE_BLOCK):
+    if not interleave_fits(weights.group_size, weights.in_features):
         raise ValueError(f"interleaved INT4 needs group_size={INTERLEAVE_GROUP} and input columns a positive "
                          f"multiple of {INTERLEAVE_BLOCK}, got {weights.group_size} and {weights.in_features}")
-    packed = weights.packed.clone()
-    reorder_words_(packed, to_interleaved=True)
-    return PackedInt4(packed, weights.scale, weights.group_size, True)
+    return PackedInt4(reordered_words(weights.packed, to_interleaved=True), weights.scale, weights.group_size, True)
 
 
 @torch.no_grad()
@@ -122,13 +126,18 @@ def reorder_words_(packed: torch.Tensor, to_interleaved: bool) -> None:
         part.copy_((nibbles.flatten(-2).unflatten(-1, (-1, VALUES_PER_WORD)) << shifts).sum(-1, dtype=torch.int32))
 
 
+def reordered_words(packed: torch.Tensor, to_interleaved: bool) -> torch.Tensor:
+    """A copy of int32 [..., in / 8] words in the interleaved order or back (reorder_words_)."""
+    words = packed.detach().clone()
+    reorder_words_(words, to_interleaved)
+    return words
+
+
 def _values(weights: PackedInt4) -> torch.Tensor:
     """int8 [..., out, in] in column order, whichever order the words hold them in."""
     if not weights.interleaved:
         return unpack_int4(weights.packed)
-    packed = weights.packed.clone()
-    reorder_words_(packed, to_interleaved=False)
-    return unpack_int4(packed)
+    return unpack_int4(reordered_words(weights.packed, to_interleaved=False))
 
 
 def dequantize_int4(weights: PackedInt4, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .int4 import INTERLEAVE_BLOCK, INTERLEAVE_GROUP, PackedInt4
+from .int4 import PackedInt4, interleave_fits
 from .launch import TL_DTYPES, compiled_for_sm90, launch_flags
 from .moe_grouped import expert_shape
 from .moe_int4_rows import down_rows_kernel, gate_up_rows_kernel
@@ -100,9 +100,8 @@ def interleavable(w_gate_up: PackedInt4, w_down: PackedInt4, device: torch.devic
     """Whether experts stored on `device` can take the interleaved order and tiles with the inline
     PTX (int4_interleaved.py): sm_90 or later, bf16 scales, group size 32, both depths positive
     multiples of 256."""
-    return (compiled_for_sm90(device) and w_gate_up.group_size == INTERLEAVE_GROUP
-            and all(w.scale.dtype == torch.bfloat16 and w.in_features % INTERLEAVE_BLOCK == 0 and w.in_features > 0
-                    for w in (w_gate_up, w_down)))
+    return compiled_for_sm90(device) and all(
+        w.scale.dtype == torch.bfloat16 and interleave_fits(w.group_size, w.in_features) for w in (w_gate_up, w_down))
 
 
 def scale_pairs(unpack: str, w_gate_up: PackedInt4, w_down: PackedInt4, block_k: int) -> bool:

@@ -99,7 +99,7 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app.state.ddtree = state
     app.add_middleware(KeyGate, check=KeyCheck(config.api_keys),
                        guarded=lambda path: path.startswith("/v1/") or (config.metrics_need_key and path == "/metrics"),
-                       on_refused=lambda path: metrics.requests.labels(path, "401").inc())
+                       on_refused=lambda path: metrics.count_request(path, "401"))
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request, exc: HTTPException):  # 404 unknown route, 405 wrong method
@@ -162,11 +162,11 @@ async def _serve(request: Request, state, kind: str, model):
             raise validation_error(err) from None
         job = _job(state, request_id, kind, body)
     except APIError as err:
-        state.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        state.metrics.count_request(request.url.path, str(err.status))
         return err.response()
     except Exception:
         log.exception("request %s: failed while parsing", request_id)
-        state.metrics.requests.labels(request.url.path, "500").inc()
+        state.metrics.count_request(request.url.path, "500")
         return internal_error(request_id).response()
     return await generate(request, state, job, kind, bool(body.stream), body.stream_options)
 

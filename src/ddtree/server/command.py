@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,10 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
                      help="a stream whose client reads nothing this long is aborted")
     ops.add_argument("--drain-seconds", type=positive(float), default=30.0,
                      help="on SIGTERM / SIGINT: how long running requests may finish before they are failed")
+    ops.add_argument("--api-server-count", type=_positive_int, default=1,
+                     help="HTTP processes sharing the port over one engine process (as vLLM's; at many streams one "
+                          "process's decoding and formatting is the bottleneck); each takes 1/N of --max-queue and "
+                          "--max-streams")
     ops.add_argument("--single-process", action="store_true",
                      help="run the engine in the HTTP server's process (a scheduler thread) instead of a process "
                           "of its own")
@@ -175,33 +180,57 @@ def serving_facts(engine) -> dict:
             "device": str(engine.device), "max_batch": engine.max_batch, "num_pages": engine.blocks.num_pages}
 
 
-def _serve_on(sockets, args, keys) -> int:
-    """serve's part after the sockets are taken: load (in the engine-core process), then serve."""
-    import functools
-
-    from .engine_core import EngineCore
+def serving_limits(args):
+    """The operators' limits serve's arguments set (limits.Limits)."""
     from .limits import Limits
 
-    limits = Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                    max_streams=args.max_streams, request_timeout_s=args.request_timeout,
-                    body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
+    return Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
+                  max_streams=args.max_streams, request_timeout_s=args.request_timeout,
+                  body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
+
+
+def _serve_on(sockets, args, keys) -> int:
+    """serve's part after the sockets are taken: load (in the engine-core process), then serve (with
+    --api-server-count N, beside N - 1 more HTTP processes: api_servers.py)."""
+    import functools
+
+    from .api_servers import ApiServers, share, shared_limits
+    from .engine_core import EngineCore
+
+    count = args.api_server_count
+    if count > 1 and args.single_process:
+        from ..arguments import UsageError
+
+        raise UsageError("--api-server-count needs the engine in a process of its own (drop --single-process)")
+    limits = shared_limits(serving_limits(args), count)
     args.max_batch = args.max_batch or serving_batch(args.device)
+    peers = None
     if args.single_process:
         engine = load_for_serving(args)
         facts = serving_facts(engine)
     else:
-        engine = EngineCore(functools.partial(load_for_serving, args), serving_facts, max_queue=args.max_queue,
-                            limits=limits)
+        engine = EngineCore(functools.partial(load_for_serving, args), serving_facts,
+                            max_queue=share(args.max_queue, count), limits=limits, api_servers=count)
         facts = engine.launch()
         engine.on_death = lambda: None if engine.draining else _exit_on_signal()  # a drain ends by itself
     try:
-        return _run(sockets, args, keys, limits, engine, facts)
+        if count > 1:
+            peers = ApiServers(count, sockets, args, keys, engine.directory)
+            peers.on_failure = lambda index: (engine.detach(index), _exit_on_signal())
+            engine.on_death = lambda: (peers.core_died(engine.died), None if engine.draining else _exit_on_signal())
+            peers.start()
+        return _run(sockets, args, keys, limits, engine, facts, peers=peers)
     finally:  # every way out (a forced exit skips the app's shutdown, an error before it runs): no core left
+        if peers is not None:
+            peers.stop(timeout_s=5)
         if not args.single_process:
             engine.stop(timeout_s=5)
 
 
-def _run(sockets, args, keys, limits, engine, facts) -> int:
+def _run(sockets, args, keys, limits, engine, facts, announce: bool = True, peers=None) -> int:
+    """Serve the app over `engine` (an Engine, or an EngineCore launched or attached) on `sockets`
+    until stopped; the exit code. announce: print the start-up and error lines (API server 0);
+    peers: the other API servers (api_servers.ApiServers), passed SIGTERM and waited for."""
     import uvicorn
 
     from ..engine.heap import frozen_heap
@@ -212,22 +241,30 @@ def _run(sockets, args, keys, limits, engine, facts) -> int:
     config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
                           max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, metadata=facts["metadata"],
                           api_keys=keys, metrics_need_key=args.protect_metrics, limits=limits)
+    if "api_servers" in facts:
+        config.metadata = {**config.metadata, "api_servers": facts["api_servers"], "api_server": facts["api_server"]}
     app = create_app(engine, config)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    print(f"ddtree serve: {name} on {facts['metadata']['device_name']} ({facts['device']}), modes "
-          f"{'ar, chain, ddtree' if facts['has_drafter'] else 'ar'}, max_batch {facts['max_batch']}, "
-          f"{facts['num_pages']} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}"
-          f"{'' if args.single_process else f', engine process {engine.pid}'}; {urls(sockets)}",
-          file=sys.stderr, flush=True)
+    if announce:
+        processes = "" if args.single_process else f", engine process {engine.pid}"
+        if peers is not None:
+            processes += f", {peers.count} API server processes"
+        print(f"ddtree serve: {name} on {facts['metadata']['device_name']} ({facts['device']}), modes "
+              f"{'ar, chain, ddtree' if facts['has_drafter'] else 'ar'}, max_batch {facts['max_batch']}, "
+              f"{facts['num_pages']} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}"
+              f"{processes}; {urls(sockets)}", file=sys.stderr, flush=True)
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     scheduler = app.state.ddtree.scheduler
     if args.single_process:  # a lost tensor-parallel rank ends the server as a dead core does
         scheduler.on_fatal = _exit_on_signal
+    # an attached API server obeys server 0's SIGTERM only (a terminal's SIGINT reaches every process)
+    signals = None if announce else (signal.SIGTERM,)
     with frozen_heap():  # the app, and with --single-process the engine, out of the collections serving triggers
-        DrainingServer(uv, scheduler, args.drain_seconds).run(sockets=sockets)
-    died = getattr(engine, "died", None) or getattr(scheduler, "fatal", None)
+        DrainingServer(uv, scheduler, args.drain_seconds, peers=peers, signals=signals).run(sockets=sockets)
+    died = getattr(engine, "died", None) or getattr(scheduler, "fatal", None) or getattr(peers, "failed", None)
     if died:
-        print(f"ddtree serve: error: {died}", file=sys.stderr, flush=True)
+        if announce:
+            print(f"ddtree serve: error: {died}", file=sys.stderr, flush=True)
         return 1
     return 0
 
@@ -236,6 +273,5 @@ def _exit_on_signal() -> None:
     """The engine process died (or, in one process, lost a rank): shut the server down as SIGTERM
     would (its requests have failed)."""
     import os
-    import signal
 
     os.kill(os.getpid(), signal.SIGTERM)

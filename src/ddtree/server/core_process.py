@@ -1,6 +1,10 @@
 """The engine-core process's side (engine_core.py is the HTTP process's): it builds the Engine,
 runs the scheduler loop (scheduler.py) with handles and metrics that record into one batch per
-turn, and sends each turn's batch to the HTTP process without waiting for it.
+turn, and sends each turn's batch to the HTTP processes without waiting for them.
+
+Several API-server processes (`ddtree serve --api-server-count N`, as vLLM's): each binds its own
+pair of sockets and the core connects to all of them; a request's events go to the process that
+submitted it, the metric updates and the snapshot to every process (each reports the totals).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import zmq
 
 from ..engine.heap import frozen_heap
 from .errors import APIError
-from .jobs import Failed
+from .jobs import Chunk, Failed
 from .scheduler import QueueFull, Scheduler
 from .wire import to_wire
 
@@ -30,6 +34,7 @@ class _Outbox:
     def __init__(self):
         self.events, self.updates = [], []
         self.counts: dict[str, float] = {}  # counters' increments, summed over the turn (one update each)
+        self.request_counts: dict[tuple[str, str], int] = {}  # API processes' finished requests, forwarded
         self.lock = threading.Lock()
 
     def handle(self, request_id: str) -> "_RemoteHandle":
@@ -43,11 +48,64 @@ class _Outbox:
         with self.lock:
             self.counts[name] = self.counts.get(name, 0) + value
 
+    def count_request(self, endpoint: str, status: str) -> None:
+        with self.lock:
+            self.request_counts[endpoint, status] = self.request_counts.get((endpoint, status), 0) + 1
+
     def take(self):
         with self.lock:
-            events, updates, counts = self.events, self.updates, self.counts
-            self.events, self.updates, self.counts = [], [], {}
-        return events, [(name, "inc", value) for name, value in counts.items()] + updates
+            events, updates, counts, requests = self.events, self.updates, self.counts, self.request_counts
+            self.events, self.updates, self.counts, self.request_counts = [], [], {}, {}
+        updates = [(name, "inc", value) for name, value in counts.items()] + updates
+        if requests:
+            updates.append((None, "add_request_counts", requests))
+        return events, updates
+
+
+def _ends(event) -> bool:
+    """Whether a request's event is its last (a failure, or the chunk with its finish_reason)."""
+    return type(event) is Failed or (type(event) is Chunk and event.finish_reason is not None)
+
+
+class _Frontends:
+    """The API-server processes' output sockets, and which process each live request came from."""
+
+    def __init__(self, context, addresses: list[str]):
+        self.sockets = []
+        for address in addresses:
+            sock = context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)  # queue without bound: a slow HTTP side never stalls a round
+            sock.connect(address)
+            self.sockets.append(sock)
+        self.of: dict[str, int] = {}  # request id -> its process's index, from its submission to its last event
+
+    def send_all(self, message) -> None:
+        for sock in self.sockets:
+            sock.send_pyobj(message)
+
+    def send_turn(self, events: list, updates: list, snapshot: dict) -> None:
+        """Each process its requests' events, every process the updates and the snapshot. Events of
+        requests no process waits for (aborted) are dropped."""
+        if len(self.sockets) == 1:
+            mine = [[item for item in events if item[0] in self.of]]
+        else:
+            mine = [[] for _ in self.sockets]
+            for item in events:
+                index = self.of.get(item[0])
+                if index is not None:
+                    mine[index].append(item)
+        for item in events:
+            if _ends(item[1]):
+                self.of.pop(item[0], None)
+        for sock, events_here in zip(self.sockets, mine):
+            sock.send_pyobj(("turn", to_wire(events_here), updates, snapshot))  # never blocks: no bound
+
+    def requests_of(self, index: int) -> list[str]:
+        return [rid for rid, at in list(self.of.items()) if at == index]
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=2000)
 
 
 class _RemoteHandle:
@@ -116,24 +174,25 @@ def tokenizer_to_send(tokenizer) -> tuple[object, bool]:
     return tokenizer, False
 
 
-def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dict) -> None:
-    """The engine-core process: build the engine (`build()`), then serve the HTTP process's messages."""
+def core_main(to_core: list[str], from_core: list[str], build, facts_of, scheduler_args: dict) -> None:
+    """The engine-core process: build the engine (`build()`), then serve the messages of the HTTP
+    processes (one pair of addresses each, in their order; see the module's docstring)."""
     signal.signal(signal.SIGINT, _ignore)
     signal.signal(signal.SIGTERM, _ignore)
     loaded = threading.Event()
     threading.Thread(target=_exit_with_parent, args=(loaded,), name="ddtree-parent-watch", daemon=True).start()
     context = zmq.Context()
-    inbox, outbox_socket = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    outbox_socket.setsockopt(zmq.SNDHWM, 0)  # queue without bound: a slow HTTP side never stalls a round
-    inbox.connect(to_core)
-    outbox_socket.connect(from_core)
+    inbox = context.socket(zmq.PULL)
+    for address in to_core:
+        inbox.connect(address)
+    frontends = _Frontends(context, from_core)
     try:
         engine = build()
         facts = facts_of(engine)
         loaded.set()
     except BaseException as err:  # the HTTP process raises it again as the server's one-line error
-        outbox_socket.send_pyobj(("failed", type(err).__name__, str(err)))
-        outbox_socket.close(linger=2000)
+        frontends.send_all(("failed", type(err).__name__, str(err)))
+        frontends.close()
         raise SystemExit(1)
     outbox = _Outbox()
     last = {}
@@ -143,12 +202,12 @@ def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dic
         if events or updates or snapshot != last:
             last.clear()
             last.update(snapshot)
-            outbox_socket.send_pyobj(("turn", to_wire(events), updates, snapshot))  # never blocks: no bound
+            frontends.send_turn(events, updates, snapshot)
 
     tokenizer, decodes_here = tokenizer_to_send(engine.tokenizer)
     scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle,
                           **{**scheduler_args, "detokenize": decodes_here})
-    outbox_socket.send_pyobj(("ready", facts, scheduler.snapshot, tokenizer, decodes_here))
+    frontends.send_all(("ready", facts, scheduler.snapshot, tokenizer, decodes_here))
     scheduler.start()
     parent = multiprocessing.parent_process()
     try:
@@ -161,23 +220,40 @@ def core_main(to_core: str, from_core: str, build, facts_of, scheduler_args: dic
                 message = inbox.recv_pyobj()
                 if message[0] == "stop":
                     break
-                if message[0] == "submit":
-                    try:
-                        scheduler.submit(message[1])
-                    except (QueueFull, RuntimeError) as err:  # the HTTP side refuses these first: a race at most
-                        outbox.handle(message[1].request_id).push(Failed(APIError(503, str(err), code="shutting_down")))
-                elif message[0] == "abort":
-                    scheduler.abort(message[1])
-                elif message[0] == "fail_all":
-                    scheduler.end_drain()
+                _serve_message(message, scheduler, frontends, outbox)
     finally:
         scheduler.stop()
         if scheduler.fatal is not None:  # the HTTP side ends the server with this line
-            outbox_socket.send_pyobj(("died", scheduler.fatal))
+            frontends.send_all(("died", scheduler.fatal))
         if hasattr(engine, "close"):  # a tensor-parallel engine's ranks
             engine.close()
-        outbox_socket.close(linger=2000)
+        frontends.close()
         inbox.close(linger=0)
         context.term()
     if scheduler.fatal is not None:
         raise SystemExit(1)
+
+
+def _serve_message(message: tuple, scheduler: Scheduler, frontends: _Frontends, outbox: _Outbox) -> None:
+    """One message of an HTTP process: ("submit", job, its index), ("abort", id), ("fail_all", index:
+    that process's requests), ("detach", index: the process ends; drop its requests) or ("count",
+    endpoint, status: a finished request, for every process's metrics)."""
+    kind = message[0]
+    if kind == "submit":
+        job = message[1]
+        frontends.of[job.request_id] = message[2]
+        try:
+            scheduler.submit(job)
+        except (QueueFull, RuntimeError) as err:  # the HTTP side refuses these first: a race at most
+            outbox.handle(job.request_id).push(Failed(APIError(503, str(err), code="shutting_down")))
+    elif kind == "abort":
+        scheduler.abort(message[1])
+        frontends.of.pop(message[1], None)
+    elif kind == "fail_all":
+        scheduler.end_drain(frontends.requests_of(message[1]))
+    elif kind == "detach":
+        for rid in frontends.requests_of(message[1]):
+            scheduler.abort(rid)
+            frontends.of.pop(rid, None)
+    elif kind == "count":
+        outbox.count_request(message[1], message[2])

@@ -15,6 +15,12 @@ Lifetime: the HTTP process starts the core, stops it with ("stop",) (it drains o
 before) and kills it if it does not end; the core ignores SIGINT / SIGTERM (the HTTP process decides)
 and ends by itself when its parent is gone, so no core outlives its server. A core that dies fails
 every waiting request with a 503 and `died` says why.
+
+Several API-server processes (api_servers > 1; api_servers.py starts them): the process that
+launched the core is API server 0; the others attach to it (`EngineCore.attached(...).connect()`),
+each with its own pair of sockets; every message to the core names its sender's index. An attached
+process learns that the core died from the launching process (a "died" message on its socket) and
+ends when that process has.
 """
 
 from __future__ import annotations
@@ -43,9 +49,14 @@ class EngineCore(TurnReceiver):
     engine-core process. build: a picklable callable returning the Engine (run in the child);
     facts_of: a picklable callable of the engine returning the dict the app needs (its `facts`)."""
 
-    def __init__(self, build, facts_of, *, max_queue: int = 256, limits=None, start_timeout_s: float | None = None):
+    def __init__(self, build, facts_of, *, max_queue: int = 256, limits=None, start_timeout_s: float | None = None,
+                 api_servers: int = 1):
+        """api_servers: the HTTP processes that will serve over this core (this one and
+        api_servers - 1 attached ones); max_queue: this process's share of the waiting requests."""
         self.build, self.facts_of, self.max_queue, self.limits = build, facts_of, max_queue, limits
         self.start_timeout_s = start_timeout_s
+        self.api_servers, self.index = api_servers, 0
+        self._dir: str | None = None
         self.metrics = None  # the app's Metrics (create_app sets it)
         self.facts: dict = {}
         self.snapshot: dict = {}
@@ -66,26 +77,52 @@ class EngineCore(TurnReceiver):
 
     # -- start and stop -------------------------------------------------------------------------------
 
+    @classmethod
+    def attached(cls, directory: str, index: int, api_servers: int, *, max_queue: int = 256, limits=None,
+                 start_timeout_s: float | None = None) -> "EngineCore":
+        """API server `index` (> 0) of a core that another process launches (its `directory`)."""
+        core = cls(None, None, max_queue=max_queue, limits=limits, start_timeout_s=start_timeout_s,
+                   api_servers=api_servers)
+        core.index, core._dir = index, directory
+        return core
+
+    @staticmethod
+    def address(directory: str, direction: str, index: int) -> str:
+        """The ipc:// address of API server `index`'s socket to_core / from_core."""
+        return f"ipc://{directory}/{direction}.{index}"
+
+    def _bind(self) -> None:
+        self._context = zmq.Context()
+        self._to_core, self._from_core = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
+        self._to_core.bind(self.address(self._dir, "to_core", self.index))
+        self._from_core.bind(self.address(self._dir, "from_core", self.index))
+
     def launch(self) -> dict:
         """Start the core process and wait until its engine is loaded; returns its facts. Raises
         RuntimeError with the core's one-line reason if it fails or dies first."""
         self._dir = tempfile.mkdtemp(prefix="ddtree-core-")
-        self._context = zmq.Context()
-        self._to_core, self._from_core = self._context.socket(zmq.PUSH), self._context.socket(zmq.PULL)
-        self._to_core.setsockopt(zmq.SNDHWM, 0)
-        to_core, from_core = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/from_core"
-        self._to_core.bind(to_core)
-        self._from_core.bind(from_core)
+        self._bind()
         scheduler_args = dict(max_queue=1 << 30, limits=self.limits, detokenize=False)  # the HTTP side: max_queue, text
+        addresses = [[self.address(self._dir, direction, i) for i in range(self.api_servers)]
+                     for direction in ("to_core", "from_core")]
         self._process = multiprocessing.get_context("spawn").Process(
-            target=core_main, args=(to_core, from_core, self.build, self.facts_of, scheduler_args),
-            name="ddtree-engine-core")
+            target=core_main, args=(*addresses, self.build, self.facts_of, scheduler_args), name="ddtree-engine-core")
         self._process.start()
+        return self._await_ready("the engine process ended while loading")
+
+    def connect(self) -> dict:
+        """An attached API server: bind its sockets and wait for the core's facts (as launch)."""
+        self._bind()
+        return self._await_ready("the server's main process ended while the engine loaded")
+
+    def _await_ready(self, ended: str) -> dict:
         deadline = None if self.start_timeout_s is None else time.monotonic() + self.start_timeout_s
         try:
             while not self._from_core.poll(POLL_MS):
-                if not self._process.is_alive():
-                    raise RuntimeError(f"the engine process ended while loading (exit code {self._process.exitcode})")
+                if self._core_gone() is not None:
+                    code = self._process.exitcode if self._process is not None else None
+                    raise RuntimeError(ended + ("" if code is None else f" (exit code {code})"))
                 if deadline is not None and time.monotonic() > deadline:
                     raise RuntimeError(f"the engine process did not load within {self.start_timeout_s:g} s")
         except BaseException:  # Ctrl-C while it loads included: no core outlives the launch
@@ -102,6 +139,8 @@ class EngineCore(TurnReceiver):
 
             raise (UsageError if message[1] == "UsageError" else RuntimeError)(message[2])
         self.facts, self.snapshot = message[1], {**message[2], "queued": 0}
+        if self.api_servers > 1:
+            self.facts = {**self.facts, "api_servers": self.api_servers, "api_server": self.index}
         self._outputs = TextOutputs(message[3])
         self._core_decodes = message[4]  # its tokenizer did not pickle: the core keeps the text
         return self.facts
@@ -110,6 +149,8 @@ class EngineCore(TurnReceiver):
         """Start routing the core's events: called in a running event loop (the app's lifespan), as
         a task of that loop, so one thread does all of the HTTP side's work (a receiver thread beside
         the loop passed the interpreter lock back and forth every turn); else from a thread."""
+        if self.api_servers > 1 and self.metrics is not None:  # every process reports every process's requests
+            self.metrics.forward = lambda endpoint, status: self._send(("count", endpoint, status))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -120,13 +161,14 @@ class EngineCore(TurnReceiver):
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the core (its running requests fail with 503) and wait for it; kill it past timeout_s.
+        An attached API server detaches instead (its requests are dropped; the core goes on).
         Idempotent, and one caller at a time (the app's lifespan and its server's owner may both call
         it: two zmq Context.term calls at once hang one of them)."""
         with self._stop_lock:
             if self._to_core.closed:
                 return
             self._stopping.set()
-            self._send(("stop",))
+            self._send(("stop",) if self._process is not None else ("detach", self.index))  # attached: the core goes on
             if self._process is not None:
                 self._process.join(timeout_s)
             if self._receiver is not None:
@@ -153,14 +195,26 @@ class EngineCore(TurnReceiver):
             for sock in (self._to_core, self._from_core):
                 sock.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._process is not None:  # the launching process's folder
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- the scheduler's interface ---------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
-        return (self._process is not None and self._process.is_alive() and not self._stopping.is_set()
-                and self.died is None)
+        return (not self._stopping.is_set() and self.died is None and hasattr(self, "_from_core")
+                and self._core_gone() is None)
+
+    def _core_gone(self) -> str | None:
+        """Why this process can no longer reach the core, or None: the core process ended (the
+        launching process), or the process that launched it has (an attached one)."""
+        if self._process is not None:
+            return None if self._process.is_alive() else \
+                f"the engine process stopped unexpectedly (exit code {self._process.exitcode})"
+        parent = multiprocessing.parent_process()
+        if self.index > 0 and parent is not None and not parent.is_alive():
+            return "the server's main process ended"
+        return None
 
     @property
     def draining(self) -> bool:
@@ -168,13 +222,26 @@ class EngineCore(TurnReceiver):
 
     @property
     def idle(self) -> bool:
+        """Nothing of this process's is waiting or running (of every process's, for the launching one:
+        it stops the core after)."""
+        if self._process is None:
+            return not self._handles
         return not self._waiting and self.snapshot.get("running", 0) == 0 and self.snapshot.get("live", 0) == 0
 
     def begin_drain(self) -> None:
         self._draining.set()
 
     def end_drain(self) -> None:
-        self._send(("fail_all",))
+        self._send(("fail_all", self.index))
+
+    def detach(self, index: int) -> None:
+        """API server `index` is gone: the core drops its requests."""
+        self._send(("detach", index))
+
+    @property
+    def directory(self) -> str:
+        """The folder of the API servers' sockets (api_servers.py attaches the others here)."""
+        return self._dir
 
     def submit(self, job, loop) -> Handle:
         """As Scheduler.submit: raises QueueFull, or RuntimeError when shutting down or the core is
@@ -192,7 +259,7 @@ class EngineCore(TurnReceiver):
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
             try:
-                self._to_core.send_pyobj(("submit", job), flags=zmq.NOBLOCK)
+                self._to_core.send_pyobj(("submit", job, self.index), flags=zmq.NOBLOCK)
             except zmq.Again:  # no core connected: it has ended (the receiver says why in a moment)
                 raise RuntimeError("the engine is not running") from None
             self._handles[job.request_id] = handle

@@ -59,20 +59,20 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
     endpoint = request.url.path
     metrics, scheduler, limits = state.metrics, state.scheduler, state.config.limits
     if stream and limits.max_streams is not None and state.streams >= limits.max_streams:
-        metrics.requests.labels(endpoint, "429").inc()
+        metrics.count_request(endpoint, "429")
         return APIError(429, f"{state.streams} streams are open, this server's limit (--max-streams); retry later",
                         code="too_many_streams", headers={"Retry-After": str(state.config.retry_after_s)}).response()
     try:
         handle = scheduler.submit(job, asyncio.get_running_loop())
     except QueueFull as err:
-        metrics.requests.labels(endpoint, "503").inc()
+        metrics.count_request(endpoint, "503")
         return APIError(503, f"the server is at capacity ({err}); retry later", code="queue_full",
                         headers={"Retry-After": str(state.config.retry_after_s)}).response()
     except RuntimeError as err:
-        metrics.requests.labels(endpoint, "503").inc()
+        metrics.count_request(endpoint, "503")
         return APIError(503, str(err), code="shutting_down").response()
     except APIError as err:  # an engine-core server encodes the prompt here: text it cannot encode
-        metrics.requests.labels(endpoint, str(err.status)).inc()
+        metrics.count_request(endpoint, str(err.status))
         return err.response()
     shape = ResponseShape(kind, job.request_id, state.config.model_name)
     watcher = _watch(request, handle)
@@ -112,7 +112,7 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
         if watcher is not None:
             watcher.cancel()
         if status is not None:
-            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.count_request(endpoint, str(status))
             if stream:
                 state.streams -= 1  # the stream never started: it is not _Stream's to close
 
@@ -196,4 +196,4 @@ class _Stream:
         self.watcher.cancel()
         if not self.done:  # the client went away, or a bug: free its slot and pages
             self.state.scheduler.abort(self.handle.request_id)
-        self.state.metrics.requests.labels(self.endpoint, str(self.status)).inc()
+        self.state.metrics.count_request(self.endpoint, str(self.status))

@@ -84,6 +84,7 @@ class Metrics:
         self.engine_failures = Counter("ddtree_engine_step_failures", "Engine steps that raised (their running "
                                        "requests were failed with a 500)", registry=registry)
         self._snapshot = {}
+        self.forward = None  # (endpoint, status) -> None: several API-server processes (count_request)
         gauges = [("running", "ddtree_requests_running", "Requests in the running batch"),
                   ("queued", "ddtree_requests_queued", "Requests accepted and waiting for a batch slot"),
                   ("pages_in_use", "ddtree_kv_pages_in_use", "KV cache pages held by requests"),
@@ -92,6 +93,19 @@ class Metrics:
                    "(their worst case; admission is decided by this)")]
         for key, name, doc in gauges:
             Gauge(name, doc, registry=registry).set_function(lambda key=key: self._snapshot.get(key, 0))
+
+    def count_request(self, endpoint: str, status: str) -> None:
+        """One finished API request. With several API-server processes (`forward` set) the count
+        goes through the engine core to every process, so that any of them reports the totals."""
+        if self.forward is not None:
+            self.forward(endpoint, status)
+        else:
+            self.requests.labels(endpoint, status).inc()
+
+    def add_request_counts(self, counts: dict[tuple[str, str], int]) -> None:
+        """Forwarded counts of finished requests ({(endpoint, status): count}), as the core sends them."""
+        for labels, count in counts.items():
+            self.requests.labels(*labels).inc(count)
 
     def publish(self, snapshot: dict) -> None:
         """Replace the gauges' values (one dict swap: scrapes see one consistent snapshot)."""

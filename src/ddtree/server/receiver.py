@@ -23,8 +23,8 @@ MAX_TURNS = 64  # the core's turns one wake-up of the receiver routes at most
 
 class TurnReceiver:
     """EngineCore's receiving half; it reads and changes the state EngineCore sets up (_from_core,
-    _handles, _waiting, _outputs, _lock, _stopping, _receiver_ended, _process, snapshot, metrics,
-    died, on_death) and sends through its _send."""
+    _handles, _waiting, _outputs, _lock, _stopping, _receiver_ended, api_servers, snapshot, metrics,
+    died, on_death) and sends through its _send; _core_gone says whether the core is still there."""
 
     def _receive(self) -> None:
         while not self._stopping.is_set():
@@ -101,19 +101,19 @@ class TurnReceiver:
             self._apply(updates, snapshot)
             if died is not None:
                 return self._died(died)
-        elif not self._process.is_alive() and not self._stopping.is_set():
-            return self._died(f"the engine process stopped unexpectedly (exit code {self._process.exitcode})")
+        elif not self._stopping.is_set() and (gone := self._core_gone()) is not None:
+            return self._died(gone)
         return True
 
     def _apply(self, updates: list, snapshot: dict | None) -> None:
         """The core's metric updates on this process's registry, and its latest snapshot."""
-        if snapshot is not None:
-            self.snapshot = {**snapshot, "queued": len(self._waiting)}
+        if snapshot is not None:  # with one API process its own count of waiting requests is exact
+            self.snapshot = snapshot if self.api_servers > 1 else {**snapshot, "queued": len(self._waiting)}
         if self.metrics is None:
             return
         for name, method, value in updates:
             try:
-                getattr(getattr(self.metrics, name), method)(value)
+                getattr(self.metrics if name is None else getattr(self.metrics, name), method)(value)
             except Exception:  # a metric is not worth a request: log it and go on
                 log.exception("engine-core receiver: metric update %s.%s failed", name, method)
         if snapshot is not None:

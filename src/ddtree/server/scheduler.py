@@ -104,10 +104,11 @@ class Scheduler:
         with self._lock:
             self._draining.set()
 
-    def end_drain(self) -> None:
-        """Fail every request still held (503 shutting_down; mid-stream an error event), freeing
-        its pages; applied at the thread's next turn."""
-        self._inbox.put(("fail_all", None))
+    def end_drain(self, request_ids: list[str] | None = None) -> None:
+        """Fail every request still held (or those of request_ids among them: one API process's)
+        with 503 shutting_down (mid-stream an error event), freeing its pages; applied at the
+        thread's next turn."""
+        self._inbox.put(("fail_all", request_ids))
 
     @property
     def idle(self) -> bool:
@@ -175,7 +176,7 @@ class Scheduler:
                 if item[0] == "submit":
                     self._accept(item[1], item[2])
                 elif item[0] == "fail_all":
-                    for rid in list(self._live):
+                    for rid in list(self._live) if item[1] is None else [r for r in item[1] if r in self._live]:
                         self._fail(rid, APIError(503, "the server is shutting down", code="shutting_down"))
                 else:
                     self._abort(item[1])

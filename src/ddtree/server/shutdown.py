@@ -3,7 +3,8 @@
 On the first signal the server keeps listening but refuses new requests (503 shutting_down,
 /health 503 "draining"), lets the running ones finish for up to `drain_s`, then fails what is left
 (a 503, or mid-stream an error event), frees every page, and only then tells uvicorn to exit (its
-own shutdown then closes the connections). The process exits 0, with no traceback. A second signal
+own shutdown then closes the connections). The process exits 0, with no traceback. Other API-server
+processes (api_servers.py) get the signal too, drain their own requests, and are waited for. A second signal
 is uvicorn's: it stops serving at once and the signal is delivered again after the exit.
 """
 
@@ -19,15 +20,23 @@ log = logging.getLogger("ddtree.server")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, scheduler, drain_s: float):
+    def __init__(self, config: uvicorn.Config, scheduler, drain_s: float, peers=None, signals=None):
+        """peers: the other API-server processes (api_servers.ApiServers): the first signal is passed
+        on to them and they are waited for; signals: the ones acted on (None: uvicorn's)."""
         super().__init__(config)
-        self.scheduler, self.drain_s = scheduler, drain_s
+        self.scheduler, self.drain_s, self.peers, self.signals = scheduler, drain_s, peers, signals
         self._draining = False
+        self._drain_started = 0.0
 
     def handle_exit(self, sig, frame) -> None:
+        if self.signals is not None and sig not in self.signals:
+            return
         if self._draining:
             return super().handle_exit(sig, frame)
         self._draining = True
+        self._drain_started = time.monotonic()
+        if self.peers is not None:
+            self.peers.signal()
         self.scheduler.begin_drain()
         log.info("shutting down: no new requests; draining the running ones for up to %g s", self.drain_s)
         threading.Thread(target=self._drain, name="ddtree-drain", daemon=True).start()
@@ -42,4 +51,6 @@ class DrainingServer(uvicorn.Server):
             settle = time.monotonic() + 5
             while not self.scheduler.idle and time.monotonic() < settle:
                 time.sleep(0.05)
+        if self.peers is not None:  # they drain as long, then close their connections
+            self.peers.wait(self._drain_started + self.drain_s + 15 - time.monotonic())
         self.should_exit = True

@@ -89,16 +89,25 @@ def children(pid: int) -> list[int]:
 
 class ServerCpu:
     """CPU seconds of a server's HTTP process and of its engine core (`core_pid`, or else the
-    HTTP process's children) between `start()` and `fractions(wall)`."""
+    HTTP process's children) between `start()` and `fractions(wall)`; with core_pid and
+    other_http (True), the HTTP process's other children count as HTTP processes (the API servers
+    of `ddtree serve --api-server-count N`)."""
 
-    def __init__(self, pid: int, core_pid: int | None = None):
-        self.pid, self.core_pid = pid, core_pid
+    def __init__(self, pid: int, core_pid: int | None = None, other_http: bool = False):
+        self.pid, self.core_pid, self.other_http = pid, core_pid, other_http
 
     def start(self) -> None:
-        self._pids = [self.pid] + ([self.core_pid] if self.core_pid is not None else children(self.pid))
-        self._before = [cpu_seconds(p) for p in self._pids]
+        if self.core_pid is None:
+            self._http, self._core = [self.pid], children(self.pid)
+        else:
+            others = [p for p in children(self.pid) if p != self.core_pid] if self.other_http else []
+            self._http, self._core = [self.pid] + others, [self.core_pid]
+        self._before = {p: cpu_seconds(p) for p in self._http + self._core}
 
     def fractions(self, wall: float) -> dict:
-        """{"http_cpu": the HTTP process's CPU seconds / wall, "core_cpu": the busiest child's}."""
-        used = [cpu_seconds(p) - b for p, b in zip(self._pids, self._before)]
-        return {"http_cpu": used[0] / wall, "core_cpu": max(used[1:], default=0.0) / wall}
+        """{"http_cpu": the busiest HTTP process's CPU seconds / wall, "http_cpu_sum": all of theirs,
+        "core_cpu": the core's (the busiest child's)}."""
+        used = {p: cpu_seconds(p) - before for p, before in self._before.items()}
+        http = [used[p] for p in self._http]
+        return {"http_cpu": max(http) / wall, "http_cpu_sum": sum(http) / wall,
+                "core_cpu": max((used[p] for p in self._core), default=0.0) / wall}

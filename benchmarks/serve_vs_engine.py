@@ -3,6 +3,7 @@ does the server decode at the engine's speed (issue 36)?
 
     python benchmarks/serve_vs_engine.py --concurrency 1 8 32 64 --modes ar,ddtree:16,ddtree:auto
     python benchmarks/serve_vs_engine.py --device cpu --concurrency 1 2 --modes ar --max-tokens 8 --requests 2
+    python benchmarks/serve_vs_engine.py --api-server-counts 1 4   # one server, then one of 4 HTTP processes
 
 First the engine, in this process: per concurrency c an Engine of max_batch c (the demo pair unless
 --target / --drafter), and per mode, after a warm-up call, one generate of the cell's prompts (all
@@ -22,8 +23,8 @@ The JSON's `bars`: server_over_engine_min (the smallest ratio of the server's de
 the engine's over every cell) and ttft_gap_ms_c1 (the server's median time to first token at
 concurrency 1 less the engine's median prefill per request at batch 1). Requests ignore EOS, so
 both sides make max_tokens tokens per request. Each server cell also reports the CPU seconds over
-its wall time of the HTTP process, the engine-core process and the busiest client process (near
-1.0: that process ran the whole cell, the likely bottleneck).
+its wall time of the busiest HTTP process (and of all of them), the engine-core process and the
+busiest client process (near 1.0: that process ran the whole cell, the likely bottleneck).
 """
 
 from __future__ import annotations
@@ -120,19 +121,20 @@ def label(mode: str, budget) -> str:
     return mode if budget is None else f"{mode} {budget}"
 
 
-def server_cells(args, prompts: list[str], modes) -> dict:
-    """(mode label, c) -> the server's cell: decode tokens/s, TTFT median, errors, and the CPU share
-    of the HTTP process, the engine core and the busiest client process over the cell."""
+def server_cells(args, prompts: list[str], modes, api_servers: int) -> dict:
+    """(mode label, c) -> the cell of a server of `api_servers` HTTP processes: decode tokens/s, TTFT
+    median, errors, and the CPU share of the busiest HTTP process (and of all of them), the engine
+    core and the busiest client process over the cell."""
     import httpx
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start_server(port, args.device, max(args.concurrency))
+    server = start_server(port, args.device, max(args.concurrency), ("--api-server-count", str(api_servers)))
     out = {}
     client_args = argparse.Namespace(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, seed=None)
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        cpu = ServerCpu(server.pid)
+        cpu = ServerCpu(server.pid, server.core_pid, other_http=True)
         with ClientPool(args.client_processes) as clients:
             for mode, budget in modes:
                 clients.run(url, make_bodies(client_args, prompts, mode, budget, 4, model, 0), 2)  # warm-up
@@ -145,7 +147,7 @@ def server_cells(args, prompts: list[str], modes) -> dict:
                     cell_out["errors"] = sum(run["errors"] for run in runs)  # any run's errors count
                     cell_out["decode_tokens_per_s_runs"] = [run["decode_tokens_per_s"] for run in runs]
                     out[(label(mode, budget), c)] = cell_out
-                    print(f"server {label(mode, budget)} c={c}: {cell_out['decode_tokens_per_s']:.1f} decode tokens/s, "
+                    print(f"server ({api_servers} API) {label(mode, budget)} c={c}: {cell_out['decode_tokens_per_s']:.1f} decode tokens/s, "
                           f"TTFT p50 {cell_out['ttft_p50_ms']} ms, CPU {cell_out}", flush=True)
     finally:
         stop(server)
@@ -166,6 +168,9 @@ def main() -> None:
                         help="processes the streamed clients are spread over (one asyncio loop each)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="passes per cell, engine and server alike: each reports its median pass")
+    parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1],
+                        help="one server per count (`ddtree serve --api-server-count`), one after another; the "
+                             "bars are the last count's")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
     if args.repeats < 1:
@@ -177,30 +182,36 @@ def main() -> None:
     modes = parse_modes(args.modes, 16)
     prompts = load_prompts(args.prompts)
     engine = engine_cells(args, prompts, modes)
-    server = server_cells(args, prompts, modes)
     rows = []
-    for (name, c), cell in server.items():
-        rows.append({"mode": name, "concurrency": c, "engine_decode_tokens_per_s": engine[(name, c)],
-                     **{f"server_{k}": v for k, v in cell.items()},
-                     "server_over_engine": cell["decode_tokens_per_s"] / engine[(name, c)]})
-    c1 = [r["server_ttft_p50_ms"] for r in rows if r["concurrency"] == 1 and r["server_ttft_p50_ms"] is not None]
-    bars = {"server_over_engine_min": min(r["server_over_engine"] for r in rows),
-            "ttft_gap_ms_c1": (statistics.median(c1) - engine["prefill_ms_c1"]) if c1 and "prefill_ms_c1" in engine else None}
+    for count in args.api_server_counts:
+        for (name, c), cell in server_cells(args, prompts, modes, count).items():
+            rows.append({"mode": name, "concurrency": c, "api_servers": count,
+                         "engine_decode_tokens_per_s": engine[(name, c)], **{f"server_{k}": v for k, v in cell.items()},
+                         "server_over_engine": cell["decode_tokens_per_s"] / engine[(name, c)]})
+    bars = {}
+    for count in args.api_server_counts:  # the last count's are the bars
+        mine = [r for r in rows if r["api_servers"] == count]
+        c1 = [r["server_ttft_p50_ms"] for r in mine if r["concurrency"] == 1 and r["server_ttft_p50_ms"] is not None]
+        gap = (statistics.median(c1) - engine["prefill_ms_c1"]) if c1 and "prefill_ms_c1" in engine else None
+        bars.update({"server_over_engine_min": min(r["server_over_engine"] for r in mine), "ttft_gap_ms_c1": gap,
+                     "api_servers": count})
     payload = {"environment": env, "device": args.device, "max_tokens": args.max_tokens, "modes": args.modes,
                "repeats": args.repeats,
-               "client_processes": args.client_processes,
+               "client_processes": args.client_processes, "api_server_counts": args.api_server_counts,
                "concurrency": args.concurrency, "engine_prefill_ms_c1": engine.get("prefill_ms_c1"), "rows": rows,
                "bars": bars}
     table = (f"The demo pair on {args.device}: the same prompts ({args.max_tokens} tokens each, EOS ignored) through "
              "the engine (max_batch = c, all prompts added at once) and through `ddtree serve` from c streamed "
              "clients; decode tokens/s leaves out each request's first token and the time to it.\n\n"
-             + "\n".join(f"- {k}: {v:.3f}" if v is not None else f"- {k}: -" for k, v in bars.items()) + "\n\n"
-             + markdown_table(["mode", "c", "engine decode tokens/s", "server decode tokens/s", "server / engine",
-                               "server TTFT p50 ms", "errors", "CPU: HTTP / core / client"],
-                              [[r["mode"], r["concurrency"], f"{r['engine_decode_tokens_per_s']:.1f}",
+             + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {'-' if v is None else v}"
+                         for k, v in bars.items()) + "\n\n"
+             + markdown_table(["mode", "c", "API servers", "engine decode tokens/s", "server decode tokens/s", "server / engine",
+                               "server TTFT p50 ms", "errors", "CPU: busiest HTTP (all HTTP) / core / client"],
+                              [[r["mode"], r["concurrency"], r["api_servers"], f"{r['engine_decode_tokens_per_s']:.1f}",
                                 f"{r['server_decode_tokens_per_s']:.1f}", f"{r['server_over_engine']:.3f}",
                                 "-" if r["server_ttft_p50_ms"] is None else f"{r['server_ttft_p50_ms']:.1f}",
-                                r["server_errors"], f"{r['server_http_cpu']:.2f} / {r['server_core_cpu']:.2f} / "
+                                r["server_errors"], f"{r['server_http_cpu']:.2f} ({r['server_http_cpu_sum']:.2f}) / "
+                                f"{r['server_core_cpu']:.2f} / "
                                 f"{r['server_client_cpu']:.2f}"] for r in rows]))
     md = write_results("serve_vs_engine", payload, table, args.out_dir)
     print(md.read_text())

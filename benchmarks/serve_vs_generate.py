@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import re
 import statistics
 import subprocess
 import sys
@@ -58,15 +59,20 @@ def serve_speed(port: int, mode: str, new: int) -> float:
     return new / float(seconds)
 
 
-def start_server(port: int, device: str, max_batch: int) -> subprocess.Popen:
+def start_server(port: int, device: str, max_batch: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`ddtree serve` on the demo pair, once /health answers; its engine process's pid (from its
+    start-up line) as .core_pid (None with --single-process)."""
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "ddtree", "serve", "--device", device, "--port", str(port),
-                             "--max-batch", str(max_batch), "--log-level", "warning"],
+                             "--max-batch", str(max_batch), "--log-level", "warning", *extra],
                             stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
         ready = subprocess.run(["curl", "-sf", "-m", "2", f"http://127.0.0.1:{port}/health"], capture_output=True)
         if ready.returncode == 0:
+            log.seek(0)
+            core = re.search(r"engine process (\d+)", log.read().decode(errors="replace"))
+            proc.core_pid = int(core.group(1)) if core else None
             return proc
         time.sleep(0.5)
     stop(proc)

@@ -20,7 +20,7 @@ import zmq
 
 from ..engine.heap import frozen_heap
 from .errors import APIError
-from .jobs import Chunk, Failed
+from .jobs import Failed
 from .scheduler import QueueFull, Scheduler
 from .wire import to_wire
 
@@ -62,9 +62,9 @@ class _Outbox:
         return events, updates
 
 
-def _ends(event) -> bool:
-    """Whether a request's event is its last (a failure, or the chunk with its finish_reason)."""
-    return type(event) is Failed or (type(event) is Chunk and event.finish_reason is not None)
+def _ends(item: tuple) -> bool:
+    """Whether a request's event (as to_wire leaves it) is its last: a failure, or its last chunk."""
+    return item[4] is not None if len(item) == 6 else type(item[1]) is Failed
 
 
 class _Frontends:
@@ -86,6 +86,7 @@ class _Frontends:
     def send_turn(self, events: list, updates: list, snapshot: dict) -> None:
         """Each process its requests' events, every process the updates and the snapshot. Events of
         requests no process waits for (aborted) are dropped."""
+        events = to_wire(events)
         if len(self.sockets) == 1:
             mine = [[item for item in events if item[0] in self.of]]
         else:
@@ -95,10 +96,10 @@ class _Frontends:
                 if index is not None:
                     mine[index].append(item)
         for item in events:
-            if _ends(item[1]):
+            if _ends(item):
                 self.of.pop(item[0], None)
         for sock, events_here in zip(self.sockets, mine):
-            sock.send_pyobj(("turn", to_wire(events_here), updates, snapshot))  # never blocks: no bound
+            sock.send_pyobj(("turn", events_here, updates, snapshot))  # never blocks: no bound
 
     def requests_of(self, index: int) -> list[str]:
         return [rid for rid, at in list(self.of.items()) if at == index]
@@ -114,6 +115,10 @@ class _RemoteHandle:
 
     def push(self, event) -> None:
         self.outbox.add("event", (self.request_id, event))
+
+    def push_chunk(self, text: str, num_tokens: int, usage: tuple, finish_reason, token_ids: tuple) -> None:
+        """A chunk as the socket carries it (wire.py), built once: a turn's events are the most of its work."""
+        self.outbox.events.append((self.request_id, text, num_tokens, usage, finish_reason, token_ids))
 
 
 class _RecordedMetric:

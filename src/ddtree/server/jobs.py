@@ -105,6 +105,11 @@ class Handle:
         """Thread-safe: deliver one event to the loop (dropped if the loop is gone)."""
         push_all([(self, event)])
 
+    def push_chunk(self, text: str, num_tokens: int, usage: tuple, finish_reason: str | None,
+                   token_ids: tuple[int, ...]) -> None:
+        """push a Chunk of these fields (usage: Usage's fields in order; server/wire.py)."""
+        self.push(Chunk(text, num_tokens, Usage(*usage), finish_reason, token_ids))
+
     async def next(self):
         if self.held is not None:
             event, self.held = self.held, None

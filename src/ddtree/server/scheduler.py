@@ -31,7 +31,7 @@ import torch
 from ..engine.pages import KVCacheFull
 from ..parallel.relay import RankLost
 from .errors import APIError, internal_error
-from .jobs import Accepted, Chunk, Failed, Handle, Job, Usage
+from .jobs import Accepted, Failed, Handle, Job
 from .limits import Limits
 from .metrics import Metrics
 from .prompts import encode, sampling_params
@@ -315,22 +315,22 @@ class Scheduler:
         live.produced += count
         job = live.job
         sampled = bool(job.sampling.get("temperature"))  # greedy (temperature 0) draws no noise: no seed
-        usage = Usage(live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
-                      live.rounds, (live.produced - 1) / live.rounds if live.rounds else 0.0,
-                      seed=job.sampling.get("seed") if sampled else None)
         tokens = tuple(out.new_token_ids)
-        if not out.finished:
-            live.handle.push(Chunk(out.new_text or "", count, usage, token_ids=tokens))
+        if not out.finished:  # the usage's fields so far (jobs.Usage's order): no objects per token in a core
+            usage = (live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
+                     live.rounds, (live.produced - 1) / live.rounds if live.rounds else 0.0,
+                     job.sampling.get("seed") if sampled else None)
+            live.handle.push_chunk(out.new_text or "", count, usage, None, tokens)
             return
         result = self.engine.take_result(rid)
         del self._live[rid]
         stats = result.stats
-        usage.rounds, usage.mean_acceptance_length = stats.rounds, stats.mean_acceptance_length
-        usage.seed = result.seed if sampled else None
+        usage = (live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
+                 stats.rounds, stats.mean_acceptance_length, result.seed if sampled else None)
         self.metrics.acceptance_length.observe_counts(collections.Counter(stats.acceptance_lengths))
         self.metrics.tree_size.observe_counts(collections.Counter(stats.tree_sizes))
         self.metrics.request_seconds.observe(now - live.accepted_at)
-        live.handle.push(Chunk(out.new_text or "", count, usage, out.finish_reason, tokens))
+        live.handle.push_chunk(out.new_text or "", count, usage, out.finish_reason, tokens)
 
     def _publish(self) -> None:
         blocks = self.engine.blocks

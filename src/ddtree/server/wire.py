@@ -18,10 +18,11 @@ from .jobs import Chunk, Usage, usage_fields
 CHUNK_FIELDS = ("text", "num_tokens", "usage", "finish_reason", "token_ids")
 
 
-def to_wire(events: list[tuple[str, object]]) -> list[tuple]:
-    """A turn's (request id, event) pairs as the socket carries them (the module's docstring)."""
-    return [(rid, e.text, e.num_tokens, usage_fields(e.usage), e.finish_reason, e.token_ids) if type(e) is Chunk
-            else (rid, e) for rid, e in events]
+def to_wire(events: list[tuple]) -> list[tuple]:
+    """A turn's (request id, event) pairs as the socket carries them (the module's docstring); a
+    chunk already in that form (the engine core's handles push them so) passes as it is."""
+    return [(item[0], e.text, e.num_tokens, usage_fields(e.usage), e.finish_reason, e.token_ids)
+            if len(item) == 2 and type(e := item[1]) is Chunk else item for item in events]
 
 
 def joined_from_wire(items: list[tuple]) -> list[tuple[str, object]]:

@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import zmq
 
@@ -26,6 +27,7 @@ from .wire import to_wire
 
 log = logging.getLogger("ddtree.server")
 POLL_MS = 100  # how often a waiting side looks up from its socket (the other process may be gone)
+SPREAD_S = 0.05  # how stale a process's metrics and snapshot may get while none of its requests commits
 
 
 class _Outbox:
@@ -78,14 +80,20 @@ class _Frontends:
             sock.connect(address)
             self.sockets.append(sock)
         self.of: dict[str, int] = {}  # request id -> its process's index, from its submission to its last event
+        count = len(addresses)
+        self.pending: list[list] = [[] for _ in range(count)]  # metric updates not yet sent to each process
+        self.snapshot_sent: list[dict | None] = [None] * count
+        self.sent_at = [0.0] * count
 
     def send_all(self, message) -> None:
         for sock in self.sockets:
             sock.send_pyobj(message)
 
-    def send_turn(self, events: list, updates: list, snapshot: dict) -> None:
-        """Each process its requests' events, every process the updates and the snapshot. Events of
-        requests no process waits for (aborted) are dropped."""
+    def send_turn(self, events: list, updates: list, snapshot: dict, force: bool = False) -> None:
+        """Each process its requests' events, every process the updates and the snapshot: at once
+        with events of its own, else at most every SPREAD_S (or `force`), so that processes without
+        requests in a turn are not woken by it. Events of requests no process waits for (aborted)
+        are dropped."""
         events = to_wire(events)
         if len(self.sockets) == 1:
             mine = [[item for item in events if item[0] in self.of]]
@@ -98,8 +106,15 @@ class _Frontends:
         for item in events:
             if _ends(item):
                 self.of.pop(item[0], None)
-        for sock, events_here in zip(self.sockets, mine):
-            sock.send_pyobj(("turn", events_here, updates, snapshot))  # never blocks: no bound
+        now = time.monotonic()
+        for index, (sock, events_here) in enumerate(zip(self.sockets, mine)):
+            pending = self.pending[index]
+            pending.extend(updates)
+            if not (events_here or (force or now - self.sent_at[index] >= SPREAD_S)
+                    and (pending or snapshot != self.snapshot_sent[index])):
+                continue
+            sock.send_pyobj(("turn", events_here, pending, snapshot))  # never blocks: no bound
+            self.pending[index], self.snapshot_sent[index], self.sent_at[index] = [], snapshot, now
 
     def requests_of(self, index: int) -> list[str]:
         return [rid for rid, at in list(self.of.items()) if at == index]
@@ -200,14 +215,9 @@ def core_main(to_core: list[str], from_core: list[str], build, facts_of, schedul
         frontends.close()
         raise SystemExit(1)
     outbox = _Outbox()
-    last = {}
 
     def flush(snapshot: dict) -> None:  # the scheduler thread, after every turn
-        events, updates = outbox.take()
-        if events or updates or snapshot != last:
-            last.clear()
-            last.update(snapshot)
-            frontends.send_turn(events, updates, snapshot)
+        frontends.send_turn(*outbox.take(), snapshot)
 
     tokenizer, decodes_here = tokenizer_to_send(engine.tokenizer)
     scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle,
@@ -228,6 +238,7 @@ def core_main(to_core: list[str], from_core: list[str], build, facts_of, schedul
                 _serve_message(message, scheduler, frontends, outbox)
     finally:
         scheduler.stop()
+        frontends.send_turn(*outbox.take(), scheduler.snapshot, force=True)  # what the last turns left pending
         if scheduler.fatal is not None:  # the HTTP side ends the server with this line
             frontends.send_all(("died", scheduler.fatal))
         if hasattr(engine, "close"):  # a tensor-parallel engine's ranks

@@ -1,10 +1,16 @@
-"""Test plumbing for the server: a real uvicorn server in a thread on a free loopback port, the
-tiny checkpoints (one target with a chat template), server-sent event parsing, metric reads."""
+"""Test plumbing for the server: a real uvicorn server in a thread on a free loopback port, `ddtree
+serve` in a process of its own, the tiny checkpoints (one target with a chat template),
+server-sent event parsing, metric reads."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -97,3 +103,55 @@ def sse_events(lines) -> list:
         data = line[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def serve_process(pairs, *extra) -> tuple[subprocess.Popen, str]:
+    """A `ddtree serve` process on a free port, once its /health answers; (process, base url)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
+            str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "512",
+            "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(argv, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+            return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no /health in 120 s: {proc.stderr.read()}")
+
+
+def stream_in_thread(url: str, max_tokens: int) -> tuple[threading.Thread, list, threading.Event]:
+    """A streamed greedy ar request of exactly max_tokens tokens; (thread, its events, set at the first one)."""
+    events, started = [], threading.Event()
+
+    def run():
+        body = {"prompt": "ab", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "ddtree": {"mode": "ar"}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    started.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, events, started

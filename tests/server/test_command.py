@@ -1,7 +1,6 @@
 """`ddtree serve` from the command line: a real server process on a free loopback port, and
 one-line errors (the demo pair missing, a drafter without its target)."""
 
-import json
 import os
 import re
 import select
@@ -9,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -19,24 +17,11 @@ import ddtree.demo
 from ddtree.cli import main
 from ddtree.engine.kept_costs import cache_dir
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+from .harness import free_port, serve_process, stop_process, stream_in_thread
 
 
 def test_serve_runs_a_server_until_interrupted(pairs):
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
             str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "128",
             "--max-batch", "2", "--budget", "4", "--max-budget", "8", "--log-level", "warning"]
@@ -56,7 +41,7 @@ def test_serve_runs_a_server_until_interrupted(pairs):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "ab", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["ddtree"]["budget"] == 4
     finally:
-        _stop(proc)
+        stop_process(proc)
     assert proc.returncode == 0
     err = proc.stderr.read()
     assert f"http://127.0.0.1:{port}/v1" in err
@@ -77,7 +62,7 @@ def test_serve_holds_its_port_while_it_loads(pairs):
     """The port is taken before the model loads and its round costs are measured (no other
     process can take it meanwhile); a request made then waits, and is answered only after the
     server says it serves (its last start-up line, written before uvicorn runs)."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(_tiny_serve_argv(pairs, port), env={**os.environ, "TRITON_INTERPRET": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -115,7 +100,7 @@ def test_serve_holds_its_port_while_it_loads(pairs):
         assert answer.startswith(b"HTTP/1.1 200")
         client.close()
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def test_serve_on_port_zero_names_the_port_it_got(pairs):
@@ -130,53 +115,16 @@ def test_serve_on_port_zero_names_the_port_it_got(pairs):
         assert url and int(url.group(1)) > 0, line
         assert httpx.get(f"{url.group(0)[:-3]}/health", timeout=60).status_code == 200
     finally:
-        _stop(proc)
-
-
-def _serve(pairs, *extra) -> tuple[subprocess.Popen, str]:
-    """A `ddtree serve` process on a free port, once its /health answers; (process, base url)."""
-    port = _free_port()
-    argv = [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
-            str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "512",
-            "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(argv, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            httpx.get(f"{url}/health", timeout=2)
-            return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"no /health in 120 s: {proc.stderr.read()}")
-
-
-def _stream_in_thread(url: str, max_tokens: int) -> tuple[threading.Thread, list, threading.Event]:
-    """A streamed greedy ar request of exactly max_tokens tokens; (thread, its events, set at the first one)."""
-    events, started = [], threading.Event()
-
-    def run():
-        body = {"prompt": "ab", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                "ddtree": {"mode": "ar"}}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
-                    started.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, events, started
+        stop_process(proc)
 
 
 @pytest.mark.parametrize("drain,completes", [("30", True), ("0.2", False)])
 def test_sigterm_drains_then_exits_zero(pairs, drain, completes):
     """SIGTERM: new requests get 503 and /health says draining while the running stream goes on;
     it finishes within the drain, or past it gets an error event; the process exits 0, quietly."""
-    proc, url = _serve(pairs, "--drain-seconds", drain)
+    proc, url = serve_process(pairs, "--drain-seconds", drain)
     try:
-        thread, events, started = _stream_in_thread(url, 480)
+        thread, events, started = stream_in_thread(url, 480)
         assert started.wait(60)
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10

@@ -120,6 +120,13 @@ def stop_process(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
+def tiny_serve_argv(pairs, port: int) -> list[str]:
+    """`ddtree serve` on the tiny pair at `port`, its round costs measured afresh (it loads a while)."""
+    return [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
+            str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "128",
+            "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", "--fresh-costs"]
+
+
 def serve_process(pairs, *extra) -> tuple[subprocess.Popen, str]:
     """A `ddtree serve` process on a free port, once its /health answers; (process, base url)."""
     port = free_port()

@@ -17,7 +17,7 @@ import ddtree.demo
 from ddtree.cli import main
 from ddtree.engine.kept_costs import cache_dir
 
-from .harness import free_port, serve_process, stop_process, stream_in_thread
+from .harness import free_port, serve_process, stop_process, stream_in_thread, tiny_serve_argv
 
 
 def test_serve_runs_a_server_until_interrupted(pairs):
@@ -52,18 +52,12 @@ def test_serve_runs_a_server_until_interrupted(pairs):
            "before serving" in err
 
 
-def _tiny_serve_argv(pairs, port: int) -> list[str]:
-    return [sys.executable, "-m", "ddtree", "serve", "--target", str(pairs["target"]), "--drafter",
-            str(pairs["drafter"]), "--device", "cpu", "--port", str(port), "--page-size", "8", "--max-model-len", "128",
-            "--max-batch", "2", "--max-budget", "8", "--log-level", "warning", "--fresh-costs"]
-
-
 def test_serve_holds_its_port_while_it_loads(pairs):
     """The port is taken before the model loads and its round costs are measured (no other
     process can take it meanwhile); a request made then waits, and is answered only after the
     server says it serves (its last start-up line, written before uvicorn runs)."""
     port = free_port()
-    proc = subprocess.Popen(_tiny_serve_argv(pairs, port), env={**os.environ, "TRITON_INTERPRET": "1"},
+    proc = subprocess.Popen(tiny_serve_argv(pairs, port), env={**os.environ, "TRITON_INTERPRET": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline, taken = time.monotonic() + 120, False
@@ -104,7 +98,7 @@ def test_serve_holds_its_port_while_it_loads(pairs):
 
 
 def test_serve_on_port_zero_names_the_port_it_got(pairs):
-    proc = subprocess.Popen(_tiny_serve_argv(pairs, 0), env={**os.environ, "TRITON_INTERPRET": "1"},
+    proc = subprocess.Popen(tiny_serve_argv(pairs, 0), env={**os.environ, "TRITON_INTERPRET": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = ""

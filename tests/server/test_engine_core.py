@@ -202,9 +202,9 @@ def _children(pid: int) -> list[int]:
 def test_a_signal_while_the_core_loads_leaves_no_core(pairs, sig):
     """Ctrl-C (or SIGTERM) while the engine process measures its round costs: the server ends at
     once and takes its engine process with it."""
-    from .test_command import _free_port, _tiny_serve_argv
+    from .harness import free_port, tiny_serve_argv
 
-    proc = subprocess.Popen(_tiny_serve_argv(pairs, _free_port()), env={**os.environ, "TRITON_INTERPRET": "1"},
+    proc = subprocess.Popen(tiny_serve_argv(pairs, free_port()), env={**os.environ, "TRITON_INTERPRET": "1"},
                             stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:  # printed by the engine process, which is loading

@@ -22,18 +22,23 @@ def _serve_two(pairs, *extra):
     """`ddtree serve --api-server-count 2`: (process, url, its start-up lines, the engine process's
     pid, the other API server's pid)."""
     proc, url = serve_process(pairs, "--api-server-count", "2", *extra)
-    text, deadline = "", time.monotonic() + 30
-    os.set_blocking(proc.stderr.fileno(), False)
-    while "engine process" not in text and time.monotonic() < deadline:
-        text += proc.stderr.read() or ""
-        time.sleep(0.05)
-    os.set_blocking(proc.stderr.fileno(), True)
-    core = int(re.search(r"engine process (\d+)", text).group(1))
-    children = []
-    for task in Path(f"/proc/{proc.pid}/task").glob("*/children"):
-        children += [int(pid) for pid in task.read_text().split()]
-    others = [pid for pid in children if pid != core and b"resource_tracker" not in _cmdline(pid)]
-    assert len(others) == 1, others
+    try:
+        text, deadline = "", time.monotonic() + 30
+        os.set_blocking(proc.stderr.fileno(), False)
+        while "engine process" not in text and time.monotonic() < deadline:
+            text += proc.stderr.read() or ""
+            time.sleep(0.05)
+        os.set_blocking(proc.stderr.fileno(), True)
+        core = int(re.search(r"engine process (\d+)", text).group(1))
+        children = []
+        for task in Path(f"/proc/{proc.pid}/task").glob("*/children"):
+            children += [int(pid) for pid in task.read_text().split()]
+        others = [pid for pid in children if pid != core and b"resource_tracker" not in _cmdline(pid)]
+        assert len(others) == 1, others
+        assert _served_by(url) == {0, 1}  # the other one has started serving too
+    except BaseException:
+        stop_process(proc)
+        raise
     return proc, url, text, core, others[0]
 
 
@@ -76,8 +81,9 @@ def test_two_api_servers_share_the_port_and_report_the_totals(pairs):
         assert len(set(texts)) == 1 and texts[0]
         refused = httpx.post(f"{url}/v1/completions", json={**GREEDY, "model": "nope"}, timeout=10)
         assert refused.status_code == 404
+        # one registry, in the engine process: every scrape, whichever process answers, reads the same
         deadline, counts = time.monotonic() + 10, None
-        while time.monotonic() < deadline:  # the counts travel through the core to every process
+        while time.monotonic() < deadline:  # the counts travel from each process to the core
             counts = {(metric(url, "ddtree_requests_total", endpoint="/v1/completions", status="200"),
                        metric(url, "ddtree_requests_total", endpoint="/v1/completions", status="404"),
                        metric(url, "ddtree_generated_tokens_total")) for _ in range(12)}
@@ -85,18 +91,29 @@ def test_two_api_servers_share_the_port_and_report_the_totals(pairs):
                 break
             time.sleep(0.1)
         assert counts == {(8.0, 1.0, 48.0)}
+        thread, _, started = stream_in_thread(url, 300)  # under load a counter never goes back between scrapes
+        assert started.wait(60)
+        read = [metric(url, "ddtree_generated_tokens_total") for _ in range(40)]
+        thread.join(60)
+        assert read == sorted(read) and read[-1] > read[0], read
     finally:
         stop_process(proc)
     assert proc.returncode == 0
 
 
 def test_sigterm_drains_every_api_server_then_all_exit_zero(pairs):
-    proc, url, _, core, other = _serve_two(pairs, "--drain-seconds", "60")
+    """SIGTERM to the server: both processes refuse new requests (503, /health "draining") while
+    the running streams finish; then every process exits, the server with 0."""
+    proc, url, _, core, other = _serve_two(pairs, "--drain-seconds", "60", "--max-batch", "4")
     try:
-        streams = [stream_in_thread(url, 200) for _ in range(4)]
+        streams = [stream_in_thread(url, 480) for _ in range(4)]
         for _, _, started in streams:
             assert started.wait(60)
         proc.send_signal(signal.SIGTERM)
+        health = httpx.get(f"{url}/health", timeout=10)  # whichever process answers (one busy, the other accepts)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        refused = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         for thread, _, _ in streams:
             thread.join(120)
         assert proc.wait(60) == 0
@@ -152,13 +169,13 @@ def test_api_servers_need_the_engine_in_its_own_process(tmp_path, capsys):
 
 
 def test_the_core_routes_events_to_their_process_and_updates_to_all(tmp_path, monkeypatch):
-    """core_process._Frontends: a request's events reach the process that submitted it only; the
+    """frontends.Frontends: a request's events reach the process that submitted it only; the
     metric updates and the snapshot reach every process, a process without events of its own
     getting them at most every SPREAD_S (or when forced); events of a request no process waits for
     (ended or aborted) are dropped."""
     import zmq
 
-    from ddtree.server import core_process
+    from ddtree.server import frontends as routing
     from ddtree.server.jobs import Chunk, Failed, Usage
     from ddtree.server.errors import APIError
 
@@ -167,7 +184,7 @@ def test_the_core_routes_events_to_their_process_and_updates_to_all(tmp_path, mo
     pulls = [context.socket(zmq.PULL) for _ in addresses]
     for sock, address in zip(pulls, addresses):
         sock.bind(address)
-    frontends = core_process._Frontends(context, addresses)
+    frontends = routing.Frontends(context, addresses)
 
     def received(index: int) -> list:
         out = []
@@ -187,7 +204,7 @@ def test_the_core_routes_events_to_their_process_and_updates_to_all(tmp_path, mo
         assert turn_1 == ("turn", [("b", "y", 1, usage, "length", (6,))], [("tokens", "inc", 2)], snapshot)
         assert frontends.of == {"a": 0}  # b ended
         # a turn with events for process 0 only: process 1 waits for SPREAD_S before it hears of the updates
-        monkeypatch.setattr(core_process, "SPREAD_S", 60.0)
+        monkeypatch.setattr(routing, "SPREAD_S", 60.0)
         failed = ("a", Failed(APIError(503, "draining", code="shutting_down")))
         frontends.send_turn([failed, ("b", "late", 1, usage, None, (8,))], [("tokens", "inc", 1)], {"running": 0})
         (turn_0,) = received(0)
@@ -206,3 +223,12 @@ def test_the_core_routes_events_to_their_process_and_updates_to_all(tmp_path, mo
         for sock in pulls:
             sock.close(linger=0)
         context.term()
+
+
+@pytest.mark.parametrize("flag", ["--max-queue", "--max-streams"])
+def test_a_limit_below_the_api_server_count_is_refused(tmp_path, capsys, flag):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", "--target", str(tmp_path), "--mode", "ar", "--port", "0", "--api-server-count", "4",
+                 flag, "3"]) == 2
+    assert capsys.readouterr().err.strip() == f"ddtree serve: error: {flag} 3 is less than --api-server-count 4: " \
+                                              "each API server takes an equal share of it, at least 1"

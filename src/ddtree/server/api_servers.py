@@ -41,15 +41,18 @@ def shared_limits(limits, count: int):
 
 
 class ApiServers:
-    """API servers 1..count-1, seen from server 0. on_failure(index) is called (a watcher thread)
-    when one ends on its own; `failed` then says which and how."""
+    """API servers 1..count-1, seen from server 0. One that ends unless told to (or with a non-zero
+    code while draining) is detached from the core (`detach(index)`) and ends the server
+    (`end_server()`, once); `failed` then says which and how."""
 
     def __init__(self, count: int, sockets, args, keys, directory: str):
         self.count, self.sockets, self.args, self.keys, self.directory = count, sockets, args, keys, directory
         self.processes: list[multiprocessing.Process] = []
         self.failed: str | None = None
-        self.on_failure = None
-        self._ending = threading.Event()  # from here on a server that ends was told to
+        self.detach = self.end_server = None
+        self._told = threading.Event()  # SIGTERM passed on: a server that ends with 0 drained
+        self._core_dead = threading.Event()  # they end with 1 by themselves
+        self._forcing = threading.Event()  # stop() ends them at once
 
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
@@ -62,21 +65,27 @@ class ApiServers:
 
     def _watch(self) -> None:
         running = {process.sentinel: index for index, process in enumerate(self.processes, 1)}
-        while running and not self._ending.is_set():
+        while running:
             for sentinel in multiprocessing.connection.wait(list(running), timeout=0.5):
                 index = running.pop(sentinel)
-                if self._ending.is_set():
-                    return
-                self.failed = f"API server {index} ended unexpectedly (exit code {self.processes[index - 1].exitcode})"
-                log.error("%s; shutting the server down", self.failed)
-                self._ending.set()
-                if self.on_failure is not None:
-                    self.on_failure(index)
-                return
+                self.processes[index - 1].join(5)  # its sentinel closes a moment before it can be reaped
+                code = self.processes[index - 1].exitcode
+                # told to end: a drain ends with 0; our SIGTERM before its handlers existed (it was starting:
+                # nothing of its own ran) ends it with -SIGTERM
+                told = self._told.is_set() and code in (0, -signal.SIGTERM)
+                if self._core_dead.is_set() or self._forcing.is_set() or told:
+                    continue
+                log.error("API server %d ended unexpectedly (exit code %s); shutting the server down", index, code)
+                if self.detach is not None:  # its requests: nobody waits for them now
+                    self.detach(index)
+                if self.failed is None:
+                    self.failed = f"API server {index} ended unexpectedly (exit code {code})"
+                    if not self._told.is_set() and self.end_server is not None:
+                        self.end_server()
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         """Pass a signal on to every server still running (the first SIGTERM: each drains)."""
-        self._ending.set()
+        self._told.set()
         for process in self.processes:
             if process.is_alive():
                 try:
@@ -93,8 +102,12 @@ class ApiServers:
 
     def core_died(self, why: str) -> None:
         """Tell every server that the core died (on its own socket, as the core would have): each
-        fails its requests with 503 and ends."""
-        self._ending.set()
+        fails its requests with 503 and ends. From a thread of its own: closing the sockets may
+        wait for a server that has gone, and the caller is the event loop."""
+        self._core_dead.set()
+        threading.Thread(target=self._tell_died, args=(why,), name="ddtree-api-server-died", daemon=True).start()
+
+    def _tell_died(self, why: str) -> None:
         context = zmq.Context()
         try:
             for index in range(1, self.count):
@@ -108,7 +121,9 @@ class ApiServers:
     def stop(self, timeout_s: float = 5.0) -> None:
         """End every server still running: SIGTERM (a second one ends a draining server at once),
         then SIGKILL past timeout_s."""
-        self.signal(signal.SIGTERM)
+        if any(process.is_alive() for process in self.processes):
+            self._forcing.set()
+            self.signal(signal.SIGTERM)
         if not self.wait(timeout_s):
             for process in self.processes:
                 if process.is_alive():
@@ -121,6 +136,11 @@ def api_server_main(index: int, count: int, directory: str, sockets, args, keys)
     Exits 0 after a drain, 1 when the core died or server 0 ended (server 0 prints the error)."""
     from .command import _exit_on_signal, _run, serving_limits
 
+    # until uvicorn's handlers are in place: server 0's SIGTERM ends this one once it serves (at once:
+    # nothing of its own runs yet), a terminal's SIGINT is server 0's to act on
+    ending = threading.Event()
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: ending.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     limits = shared_limits(serving_limits(args), count)
     engine = EngineCore.attached(directory, index, count, max_queue=share(args.max_queue, count), limits=limits)
     try:
@@ -130,7 +150,7 @@ def api_server_main(index: int, count: int, directory: str, sockets, args, keys)
         raise SystemExit(1)
     engine.on_death = lambda: None if engine.draining else _exit_on_signal()
     try:
-        code = _run(sockets, args, keys, limits, engine, facts, announce=False)
+        code = _run(sockets, args, keys, limits, engine, facts, announce=False, ending=ending)
     finally:
         engine.stop(timeout_s=5)
     raise SystemExit(code)

@@ -138,6 +138,11 @@ def create_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
+        if getattr(state.scheduler, "api_servers", 1) > 1:  # the core keeps the one registry of all of them
+            try:
+                return Response(await state.scheduler.scrape(), media_type=metrics.content_type)
+            except RuntimeError as err:
+                return APIError(503, str(err), code="engine_dead").response()
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app

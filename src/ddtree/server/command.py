@@ -11,6 +11,7 @@ import logging
 import platform
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -202,9 +203,15 @@ def _serve_on(sockets, args, keys) -> int:
         from ..arguments import UsageError
 
         raise UsageError("--api-server-count needs the engine in a process of its own (drop --single-process)")
+    for flag, value in (("--max-queue", args.max_queue), ("--max-streams", args.max_streams)):
+        if count > 1 and value is not None and value < count:
+            from ..arguments import UsageError
+
+            raise UsageError(f"{flag} {value} is less than --api-server-count {count}: each API server takes an "
+                             "equal share of it, at least 1")
     limits = shared_limits(serving_limits(args), count)
     args.max_batch = args.max_batch or serving_batch(args.device)
-    peers = None
+    peers, ending = None, threading.Event()  # ending: end the server as SIGTERM would, once it serves
     if args.single_process:
         engine = load_for_serving(args)
         facts = serving_facts(engine)
@@ -213,24 +220,30 @@ def _serve_on(sockets, args, keys) -> int:
                             max_queue=share(args.max_queue, count), limits=limits, api_servers=count)
         facts = engine.launch()
         engine.on_death = lambda: None if engine.draining else _exit_on_signal()  # a drain ends by itself
+    code = 1
     try:
         if count > 1:
             peers = ApiServers(count, sockets, args, keys, engine.directory)
-            peers.on_failure = lambda index: (engine.detach(index), _exit_on_signal())
-            engine.on_death = lambda: (peers.core_died(engine.died), None if engine.draining else _exit_on_signal())
+            peers.detach, peers.end_server = engine.detach, ending.set
+            engine.on_death = lambda: (peers.core_died(engine.died), None if engine.draining else ending.set())
             peers.start()
-        return _run(sockets, args, keys, limits, engine, facts, peers=peers)
+        code = _run(sockets, args, keys, limits, engine, facts, peers=peers, ending=ending)
     finally:  # every way out (a forced exit skips the app's shutdown, an error before it runs): no core left
         if peers is not None:
             peers.stop(timeout_s=5)
         if not args.single_process:
             engine.stop(timeout_s=5)
+    if peers is not None and peers.failed is not None and code == 0:  # one that ended while the others drained
+        print(f"ddtree serve: error: {peers.failed}", file=sys.stderr, flush=True)
+        code = 1
+    return code
 
 
-def _run(sockets, args, keys, limits, engine, facts, announce: bool = True, peers=None) -> int:
+def _run(sockets, args, keys, limits, engine, facts, announce: bool = True, peers=None, ending=None) -> int:
     """Serve the app over `engine` (an Engine, or an EngineCore launched or attached) on `sockets`
     until stopped; the exit code. announce: print the start-up and error lines (API server 0);
-    peers: the other API servers (api_servers.ApiServers), passed SIGTERM and waited for."""
+    peers: the other API servers (api_servers.ApiServers), passed SIGTERM and waited for; ending:
+    a threading.Event that, once set, ends the server as SIGTERM does (set before it serves too)."""
     import uvicorn
 
     from ..engine.heap import frozen_heap
@@ -260,7 +273,8 @@ def _run(sockets, args, keys, limits, engine, facts, announce: bool = True, peer
     # an attached API server obeys server 0's SIGTERM only (a terminal's SIGINT reaches every process)
     signals = None if announce else (signal.SIGTERM,)
     with frozen_heap():  # the app, and with --single-process the engine, out of the collections serving triggers
-        DrainingServer(uv, scheduler, args.drain_seconds, peers=peers, signals=signals).run(sockets=sockets)
+        server = DrainingServer(uv, scheduler, args.drain_seconds, peers=peers, signals=signals, ending=ending)
+        server.run(sockets=sockets)
     died = getattr(engine, "died", None) or getattr(scheduler, "fatal", None) or getattr(peers, "failed", None)
     if died:
         if announce:

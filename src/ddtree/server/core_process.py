@@ -21,13 +21,13 @@ import zmq
 
 from ..engine.heap import frozen_heap
 from .errors import APIError
+from .frontends import Frontends
 from .jobs import Failed
+from .metrics import Metrics
 from .scheduler import QueueFull, Scheduler
-from .wire import to_wire
 
 log = logging.getLogger("ddtree.server")
 POLL_MS = 100  # how often a waiting side looks up from its socket (the other process may be gone)
-SPREAD_S = 0.05  # how stale a process's metrics and snapshot may get while none of its requests commits
 
 
 class _Outbox:
@@ -62,66 +62,6 @@ class _Outbox:
         if requests:
             updates.append((None, "add_request_counts", requests))
         return events, updates
-
-
-def _ends(item: tuple) -> bool:
-    """Whether a request's event (as to_wire leaves it) is its last: a failure, or its last chunk."""
-    return item[4] is not None if len(item) == 6 else type(item[1]) is Failed
-
-
-class _Frontends:
-    """The API-server processes' output sockets, and which process each live request came from."""
-
-    def __init__(self, context, addresses: list[str]):
-        self.sockets = []
-        for address in addresses:
-            sock = context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)  # queue without bound: a slow HTTP side never stalls a round
-            sock.connect(address)
-            self.sockets.append(sock)
-        self.of: dict[str, int] = {}  # request id -> its process's index, from its submission to its last event
-        count = len(addresses)
-        self.pending: list[list] = [[] for _ in range(count)]  # metric updates not yet sent to each process
-        self.snapshot_sent: list[dict | None] = [None] * count
-        self.sent_at = [0.0] * count
-
-    def send_all(self, message) -> None:
-        for sock in self.sockets:
-            sock.send_pyobj(message)
-
-    def send_turn(self, events: list, updates: list, snapshot: dict, force: bool = False) -> None:
-        """Each process its requests' events, every process the updates and the snapshot: at once
-        with events of its own, else at most every SPREAD_S (or `force`), so that processes without
-        requests in a turn are not woken by it. Events of requests no process waits for (aborted)
-        are dropped."""
-        events = to_wire(events)
-        if len(self.sockets) == 1:
-            mine = [[item for item in events if item[0] in self.of]]
-        else:
-            mine = [[] for _ in self.sockets]
-            for item in events:
-                index = self.of.get(item[0])
-                if index is not None:
-                    mine[index].append(item)
-        for item in events:
-            if _ends(item):
-                self.of.pop(item[0], None)
-        now = time.monotonic()
-        for index, (sock, events_here) in enumerate(zip(self.sockets, mine)):
-            pending = self.pending[index]
-            pending.extend(updates)
-            if not (events_here or (force or now - self.sent_at[index] >= SPREAD_S)
-                    and (pending or snapshot != self.snapshot_sent[index])):
-                continue
-            sock.send_pyobj(("turn", events_here, pending, snapshot))  # never blocks: no bound
-            self.pending[index], self.snapshot_sent[index], self.sent_at[index] = [], snapshot, now
-
-    def requests_of(self, index: int) -> list[str]:
-        return [rid for rid, at in list(self.of.items()) if at == index]
-
-    def close(self) -> None:
-        for sock in self.sockets:
-            sock.close(linger=2000)
 
 
 class _RemoteHandle:
@@ -205,7 +145,7 @@ def core_main(to_core: list[str], from_core: list[str], build, facts_of, schedul
     inbox = context.socket(zmq.PULL)
     for address in to_core:
         inbox.connect(address)
-    frontends = _Frontends(context, from_core)
+    frontends = Frontends(context, from_core)
     try:
         engine = build()
         facts = facts_of(engine)
@@ -220,22 +160,28 @@ def core_main(to_core: list[str], from_core: list[str], build, facts_of, schedul
         frontends.send_turn(*outbox.take(), snapshot)
 
     tokenizer, decodes_here = tokenizer_to_send(engine.tokenizer)
-    scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle,
+    # several API servers: the one registry is here (each scrape asks for it; replicas in each process
+    # would lag by different amounts, and a counter read from two of them could go back)
+    registry = Metrics() if len(from_core) > 1 else None
+    scheduler = Scheduler(engine, registry or _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle,
                           **{**scheduler_args, "detokenize": decodes_here})
     frontends.send_all(("ready", facts, scheduler.snapshot, tokenizer, decodes_here))
     scheduler.start()
-    parent = multiprocessing.parent_process()
+    parent, looked = multiprocessing.parent_process(), time.monotonic()
     try:
         with frozen_heap():  # what start-up built stays out of the collections serving triggers
             while scheduler.alive:
-                if not inbox.poll(POLL_MS):
+                ready = inbox.poll(POLL_MS)
+                if time.monotonic() - looked >= POLL_MS / 1000:  # busy or not (other API servers keep sending)
+                    looked = time.monotonic()
                     if parent is not None and not parent.is_alive():  # the server is gone: so is its core
                         break
+                if not ready:
                     continue
                 message = inbox.recv_pyobj()
                 if message[0] == "stop":
                     break
-                _serve_message(message, scheduler, frontends, outbox)
+                _serve_message(message, scheduler, frontends, outbox, registry)
     finally:
         scheduler.stop()
         frontends.send_turn(*outbox.take(), scheduler.snapshot, force=True)  # what the last turns left pending
@@ -250,13 +196,17 @@ def core_main(to_core: list[str], from_core: list[str], build, facts_of, schedul
         raise SystemExit(1)
 
 
-def _serve_message(message: tuple, scheduler: Scheduler, frontends: _Frontends, outbox: _Outbox) -> None:
+def _serve_message(message: tuple, scheduler: Scheduler, frontends: Frontends, outbox: _Outbox,
+                   registry: Metrics | None) -> None:
     """One message of an HTTP process: ("submit", job, its index), ("abort", id), ("fail_all", index:
-    that process's requests), ("detach", index: the process ends; drop its requests) or ("count",
-    endpoint, status: a finished request, for every process's metrics)."""
+    that process's requests), ("detach", index: the process ends; drop its requests), ("count",
+    endpoint, status: a finished request, for every process's metrics) or ("scrape", index, token:
+    the metrics' text, answered ("scraped", token, text); several API servers only)."""
     kind = message[0]
     if kind == "submit":
         job = message[1]
+        if message[2] in frontends.detached:  # sent before its process ended, read after: nobody waits for it
+            return
         frontends.of[job.request_id] = message[2]
         try:
             scheduler.submit(job)
@@ -268,8 +218,14 @@ def _serve_message(message: tuple, scheduler: Scheduler, frontends: _Frontends, 
     elif kind == "fail_all":
         scheduler.end_drain(frontends.requests_of(message[1]))
     elif kind == "detach":
+        frontends.detached.add(message[1])
         for rid in frontends.requests_of(message[1]):
             scheduler.abort(rid)
             frontends.of.pop(rid, None)
     elif kind == "count":
-        outbox.count_request(message[1], message[2])
+        if registry is not None:
+            registry.count_request(message[1], message[2])
+        else:
+            outbox.count_request(message[1], message[2])
+    elif kind == "scrape" and registry is not None:
+        frontends.send_to(message[1], ("scraped", message[2], registry.render()))

@@ -71,6 +71,8 @@ class EngineCore(TurnReceiver):
         self._receiver: threading.Thread | None = None
         self._receiver_task: asyncio.Task | None = None  # or the receiver runs in the app's loop
         self._receiver_ended = threading.Event()
+        self._looked = 0.0  # when the receiver last checked that the core is there
+        self._scrapes: dict[int, asyncio.Future] = {}  # several API servers: scrapes the core has to answer
         self._process = None
         self._outputs = TextOutputs(None)  # the requests' text, with the core's tokenizer once launched
         self._core_decodes = False
@@ -191,9 +193,9 @@ class EngineCore(TurnReceiver):
         if kill and self._process is not None and self._process.is_alive():
             self._process.kill()
             self._process.join(5)
-        with self._lock:
-            for sock in (self._to_core, self._from_core):
-                sock.close(linger=0)
+        with self._lock:  # an attached server's last messages (its counts, its detach) still go out
+            self._to_core.close(linger=0 if self._process is not None else 1000)
+            self._from_core.close(linger=0)
         self._context.term()
         if self._process is not None:  # the launching process's folder
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -234,6 +236,22 @@ class EngineCore(TurnReceiver):
     def end_drain(self) -> None:
         self._send(("fail_all", self.index))
 
+    async def scrape(self, timeout_s: float = 5.0) -> bytes:
+        """The Prometheus text of the core's registry (several API servers: the one source of the
+        totals). RuntimeError when the core is gone or does not answer within timeout_s."""
+        if self.died is not None or self._stopping.is_set():
+            raise RuntimeError(f"the engine is not running ({self.died or 'shutting down'})")
+        future = asyncio.get_running_loop().create_future()
+        token = id(future)
+        self._scrapes[token] = future
+        try:
+            self._send(("scrape", self.index, token))
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"the engine process did not answer within {timeout_s:g} s") from None
+        finally:
+            self._scrapes.pop(token, None)
+
     def detach(self, index: int) -> None:
         """API server `index` is gone: the core drops its requests."""
         self._send(("detach", index))
@@ -257,7 +275,8 @@ class EngineCore(TurnReceiver):
             if self._stopping.is_set() or self._draining.is_set():
                 raise RuntimeError("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue})")
+                share = f", this API server's share of {self.api_servers}" if self.api_servers > 1 else ""
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}{share})")
             try:
                 self._to_core.send_pyobj(("submit", job, self.index), flags=zmq.NOBLOCK)
             except zmq.Again:  # no core connected: it has ended (the receiver says why in a moment)

@@ -60,7 +60,9 @@ async def generate(request: Request, state, job: Job, kind: str, stream: bool,
     metrics, scheduler, limits = state.metrics, state.scheduler, state.config.limits
     if stream and limits.max_streams is not None and state.streams >= limits.max_streams:
         metrics.count_request(endpoint, "429")
-        return APIError(429, f"{state.streams} streams are open, this server's limit (--max-streams); retry later",
+        share = " (this API server's share of it)" if state.config.metadata.get("api_servers") else ""
+        return APIError(429, f"{state.streams} streams are open, this server's limit (--max-streams){share}; retry "
+                        "later",
                         code="too_many_streams", headers={"Retry-After": str(state.config.retry_after_s)}).response()
     try:
         handle = scheduler.submit(job, asyncio.get_running_loop())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import zmq
 
@@ -23,8 +24,8 @@ MAX_TURNS = 64  # the core's turns one wake-up of the receiver routes at most
 
 class TurnReceiver:
     """EngineCore's receiving half; it reads and changes the state EngineCore sets up (_from_core,
-    _handles, _waiting, _outputs, _lock, _stopping, _receiver_ended, api_servers, snapshot, metrics,
-    died, on_death) and sends through its _send; _core_gone says whether the core is still there."""
+    _handles, _waiting, _outputs, _lock, _stopping, _receiver_ended, _looked, _scrapes, api_servers,
+    snapshot, metrics, died, on_death) and sends through its _send; _core_gone says whether the core is still there."""
 
     def _receive(self) -> None:
         while not self._stopping.is_set():
@@ -94,6 +95,9 @@ class TurnReceiver:
                 if message[0] == "died":  # the core's engine cannot go on (a tensor-parallel rank lost)
                     died = message[1]
                     break
+                if message[0] == "scraped":
+                    self._answer_scrape(*message[1:])
+                    continue
                 _, turn_events, turn_updates, snapshot = message
                 events.extend(turn_events)
                 updates.extend(turn_updates)
@@ -101,7 +105,10 @@ class TurnReceiver:
             self._apply(updates, snapshot)
             if died is not None:
                 return self._died(died)
-        elif not self._stopping.is_set() and (gone := self._core_gone()) is not None:
+            if time.monotonic() - self._looked < POLL_MS / 1000:  # under load too: the core's turns need not stop
+                return True                                         # when the process that launched it has gone
+        self._looked = time.monotonic()
+        if not self._stopping.is_set() and (gone := self._core_gone()) is not None:
             return self._died(gone)
         return True
 
@@ -118,6 +125,11 @@ class TurnReceiver:
                 log.exception("engine-core receiver: metric update %s.%s failed", name, method)
         if snapshot is not None:
             self.metrics.publish(self.snapshot)
+
+    def _answer_scrape(self, token: int, text: bytes) -> None:
+        future = self._scrapes.get(token)
+        if future is not None:  # else it timed out
+            future.get_loop().call_soon_threadsafe(lambda: future.done() or future.set_result(text))
 
     def _died(self, why: str) -> bool:
         """The core can serve no more: fail what it held, say why, end the server (on_death)."""

@@ -11,6 +11,7 @@ is uvicorn's: it stops serving at once and the signal is delivered again after t
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -20,11 +21,13 @@ log = logging.getLogger("ddtree.server")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, scheduler, drain_s: float, peers=None, signals=None):
+    def __init__(self, config: uvicorn.Config, scheduler, drain_s: float, peers=None, signals=None, ending=None):
         """peers: the other API-server processes (api_servers.ApiServers): the first signal is passed
-        on to them and they are waited for; signals: the ones acted on (None: uvicorn's)."""
+        on to them and they are waited for; signals: the ones acted on (None: uvicorn's); ending: a
+        threading.Event whose setting is taken as a first SIGTERM (from any thread, even before the
+        server runs and its signal handlers exist)."""
         super().__init__(config)
-        self.scheduler, self.drain_s, self.peers, self.signals = scheduler, drain_s, peers, signals
+        self.scheduler, self.drain_s, self.peers, self.signals, self.ending = scheduler, drain_s, peers, signals, ending
         self._draining = False
         self._drain_started = 0.0
 
@@ -40,6 +43,11 @@ class DrainingServer(uvicorn.Server):
         self.scheduler.begin_drain()
         log.info("shutting down: no new requests; draining the running ones for up to %g s", self.drain_s)
         threading.Thread(target=self._drain, name="ddtree-drain", daemon=True).start()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.ending is not None and self.ending.is_set() and not self._draining:
+            self.handle_exit(signal.SIGTERM, None)
+        return await super().on_tick(counter)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_s

@@ -26,6 +26,7 @@ import time
 import zmq
 
 from .engine_core import EngineCore
+from .running import exit_on_signal, run_app, serving_limits
 
 log = logging.getLogger("ddtree.server")
 
@@ -134,8 +135,6 @@ class ApiServers:
 def api_server_main(index: int, count: int, directory: str, sockets, args, keys) -> None:
     """API server `index` (> 0): attach to the core server 0 launched, then serve until told to stop.
     Exits 0 after a drain, 1 when the core died or server 0 ended (server 0 prints the error)."""
-    from .command import _exit_on_signal, _run, serving_limits
-
     # until uvicorn's handlers are in place: server 0's SIGTERM ends this one once it serves (at once:
     # nothing of its own runs yet), a terminal's SIGINT is server 0's to act on
     ending = threading.Event()
@@ -148,9 +147,9 @@ def api_server_main(index: int, count: int, directory: str, sockets, args, keys)
     except RuntimeError as err:
         log.error("API server %d: %s", index, err)
         raise SystemExit(1)
-    engine.on_death = lambda: None if engine.draining else _exit_on_signal()
+    engine.on_death = lambda: None if engine.draining else exit_on_signal()
     try:
-        code = _run(sockets, args, keys, limits, engine, facts, announce=False, ending=ending)
+        code = run_app(sockets, args, keys, limits, engine, facts, announce=False, ending=ending)
     finally:
         engine.stop(timeout_s=5)
     raise SystemExit(code)

@@ -7,18 +7,15 @@ for them.
 from __future__ import annotations
 
 import argparse
-import logging
 import platform
-import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from ..arguments import (add_pair_arguments, budget, cache_line, load_engine, positive, serving_batch,
                          weights_line)
 from .auth import ENV_VAR, api_keys
-from .listening import listen, urls
+from .listening import listen
 
 _positive_int = positive(int)
 
@@ -181,15 +178,6 @@ def serving_facts(engine) -> dict:
             "device": str(engine.device), "max_batch": engine.max_batch, "num_pages": engine.blocks.num_pages}
 
 
-def serving_limits(args):
-    """The operators' limits serve's arguments set (limits.Limits)."""
-    from .limits import Limits
-
-    return Limits(max_tokens=args.max_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-                  max_streams=args.max_streams, request_timeout_s=args.request_timeout,
-                  body_timeout_s=args.body_timeout, send_timeout_s=args.send_timeout)
-
-
 def _serve_on(sockets, args, keys) -> int:
     """serve's part after the sockets are taken: load (in the engine-core process), then serve (with
     --api-server-count N, beside N - 1 more HTTP processes: api_servers.py)."""
@@ -197,6 +185,7 @@ def _serve_on(sockets, args, keys) -> int:
 
     from .api_servers import ApiServers, share, shared_limits
     from .engine_core import EngineCore
+    from .running import exit_on_signal, run_app, serving_limits
 
     count = args.api_server_count
     if count > 1 and args.single_process:
@@ -219,7 +208,7 @@ def _serve_on(sockets, args, keys) -> int:
         engine = EngineCore(functools.partial(load_for_serving, args), serving_facts,
                             max_queue=share(args.max_queue, count), limits=limits, api_servers=count)
         facts = engine.launch()
-        engine.on_death = lambda: None if engine.draining else _exit_on_signal()  # a drain ends by itself
+        engine.on_death = lambda: None if engine.draining else exit_on_signal()  # a drain ends by itself
     code = 1
     try:
         if count > 1:
@@ -227,7 +216,7 @@ def _serve_on(sockets, args, keys) -> int:
             peers.detach, peers.end_server = engine.detach, ending.set
             engine.on_death = lambda: (peers.core_died(engine.died), None if engine.draining else ending.set())
             peers.start()
-        code = _run(sockets, args, keys, limits, engine, facts, peers=peers, ending=ending)
+        code = run_app(sockets, args, keys, limits, engine, facts, peers=peers, ending=ending)
     finally:  # every way out (a forced exit skips the app's shutdown, an error before it runs): no core left
         if peers is not None:
             peers.stop(timeout_s=5)
@@ -237,55 +226,3 @@ def _serve_on(sockets, args, keys) -> int:
         print(f"ddtree serve: error: {peers.failed}", file=sys.stderr, flush=True)
         code = 1
     return code
-
-
-def _run(sockets, args, keys, limits, engine, facts, announce: bool = True, peers=None, ending=None) -> int:
-    """Serve the app over `engine` (an Engine, or an EngineCore launched or attached) on `sockets`
-    until stopped; the exit code. announce: print the start-up and error lines (API server 0);
-    peers: the other API servers (api_servers.ApiServers), passed SIGTERM and waited for; ending:
-    a threading.Event that, once set, ends the server as SIGTERM does (set before it serves too)."""
-    import uvicorn
-
-    from ..engine.heap import frozen_heap
-    from .app import ServerConfig, create_app
-    from .shutdown import DrainingServer
-
-    name = args.served_model_name or (Path(args.target).resolve().name if args.target else "ddtree-demo")
-    config = ServerConfig(model_name=name, default_mode=args.mode, default_budget=args.budget,
-                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, metadata=facts["metadata"],
-                          api_keys=keys, metrics_need_key=args.protect_metrics, limits=limits)
-    if "api_servers" in facts:
-        config.metadata = {**config.metadata, "api_servers": facts["api_servers"], "api_server": facts["api_server"]}
-    app = create_app(engine, config)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if announce:
-        processes = "" if args.single_process else f", engine process {engine.pid}"
-        if peers is not None:
-            processes += f", {peers.count} API server processes"
-        print(f"ddtree serve: {name} on {facts['metadata']['device_name']} ({facts['device']}), modes "
-              f"{'ar, chain, ddtree' if facts['has_drafter'] else 'ar'}, max_batch {facts['max_batch']}, "
-              f"{facts['num_pages']} KV pages, {len(keys) or 'no'} API key{'' if len(keys) == 1 else 's'}"
-              f"{processes}; {urls(sockets)}", file=sys.stderr, flush=True)
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    scheduler = app.state.ddtree.scheduler
-    if args.single_process:  # a lost tensor-parallel rank ends the server as a dead core does
-        scheduler.on_fatal = _exit_on_signal
-    # an attached API server obeys server 0's SIGTERM only (a terminal's SIGINT reaches every process)
-    signals = None if announce else (signal.SIGTERM,)
-    with frozen_heap():  # the app, and with --single-process the engine, out of the collections serving triggers
-        server = DrainingServer(uv, scheduler, args.drain_seconds, peers=peers, signals=signals, ending=ending)
-        server.run(sockets=sockets)
-    died = getattr(engine, "died", None) or getattr(scheduler, "fatal", None) or getattr(peers, "failed", None)
-    if died:
-        if announce:
-            print(f"ddtree serve: error: {died}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-def _exit_on_signal() -> None:
-    """The engine process died (or, in one process, lost a rank): shut the server down as SIGTERM
-    would (its requests have failed)."""
-    import os
-
-    os.kill(os.getpid(), signal.SIGTERM)

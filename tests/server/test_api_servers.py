@@ -116,12 +116,12 @@ def test_sigterm_drains_every_api_server_then_all_exit_zero(pairs):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         for thread, _, _ in streams:
             thread.join(120)
-        assert proc.wait(60) == 0
+        proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
     err = proc.stderr.read()
-    assert "Traceback" not in err, err
+    assert proc.returncode == 0 and "Traceback" not in err, err
     for _, events, _ in streams:
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     deadline = time.monotonic() + 10

@@ -69,8 +69,7 @@ class ApiServers:
         while running:
             for sentinel in multiprocessing.connection.wait(list(running), timeout=0.5):
                 index = running.pop(sentinel)
-                self.processes[index - 1].join(5)  # its sentinel closes a moment before it can be reaped
-                code = self.processes[index - 1].exitcode
+                code = self._exit_code(self.processes[index - 1])
                 # told to end: a drain ends with 0; our SIGTERM before its handlers existed (it was starting:
                 # nothing of its own ran) ends it with -SIGTERM
                 told = self._told.is_set() and code in (0, -signal.SIGTERM)
@@ -83,6 +82,16 @@ class ApiServers:
                     self.failed = f"API server {index} ended unexpectedly (exit code {code})"
                     if not self._told.is_set() and self.end_server is not None:
                         self.end_server()
+
+    @staticmethod
+    def _exit_code(process: multiprocessing.Process) -> int | None:
+        """Its exit code once its sentinel closed: the sentinel closes a moment before the process can
+        be reaped, and another thread (wait, is_alive) may be reaping it at that moment (waitpid
+        then fails here with ECHILD and exitcode is None until that thread has set it)."""
+        deadline = time.monotonic() + 5
+        while process.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return process.exitcode
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         """Pass a signal on to every server still running (the first SIGTERM: each drains)."""

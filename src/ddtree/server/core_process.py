@@ -4,7 +4,8 @@ turn, and sends each turn's batch to the HTTP processes without waiting for them
 
 Several API-server processes (`ddtree serve --api-server-count N`, as vLLM's): each binds its own
 pair of sockets and the core connects to all of them; a request's events go to the process that
-submitted it, the metric updates and the snapshot to every process (each reports the totals).
+submitted it, the snapshot to every process (frontends.py); the core keeps the one metrics registry
+and answers each process's scrape with its text.
 """
 
 from __future__ import annotations

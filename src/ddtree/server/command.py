@@ -222,7 +222,7 @@ def _serve_on(sockets, args, keys) -> int:
             peers.stop(timeout_s=5)
         if not args.single_process:
             engine.stop(timeout_s=5)
-    if peers is not None and peers.failed is not None and code == 0:  # one that ended while the others drained
+    if peers is not None and peers.failed is not None and code == 0:  # an API server that ended on its own
         print(f"ddtree serve: error: {peers.failed}", file=sys.stderr, flush=True)
         code = 1
     return code

@@ -37,7 +37,6 @@ class _Outbox:
     def __init__(self):
         self.events, self.updates = [], []
         self.counts: dict[str, float] = {}  # counters' increments, summed over the turn (one update each)
-        self.request_counts: dict[tuple[str, str], int] = {}  # API processes' finished requests, forwarded
         self.lock = threading.Lock()
 
     def handle(self, request_id: str) -> "_RemoteHandle":
@@ -51,18 +50,11 @@ class _Outbox:
         with self.lock:
             self.counts[name] = self.counts.get(name, 0) + value
 
-    def count_request(self, endpoint: str, status: str) -> None:
-        with self.lock:
-            self.request_counts[endpoint, status] = self.request_counts.get((endpoint, status), 0) + 1
-
     def take(self):
         with self.lock:
-            events, updates, counts, requests = self.events, self.updates, self.counts, self.request_counts
-            self.events, self.updates, self.counts, self.request_counts = [], [], {}, {}
-        updates = [(name, "inc", value) for name, value in counts.items()] + updates
-        if requests:
-            updates.append((None, "add_request_counts", requests))
-        return events, updates
+            events, updates, counts = self.events, self.updates, self.counts
+            self.events, self.updates, self.counts = [], [], {}
+        return events, [(name, "inc", value) for name, value in counts.items()] + updates
 
 
 class _RemoteHandle:
@@ -201,8 +193,8 @@ def _serve_message(message: tuple, scheduler: Scheduler, frontends: Frontends, o
                    registry: Metrics | None) -> None:
     """One message of an HTTP process: ("submit", job, its index), ("abort", id), ("fail_all", index:
     that process's requests), ("detach", index: the process ends; drop its requests), ("count",
-    endpoint, status: a finished request, for every process's metrics) or ("scrape", index, token:
-    the metrics' text, answered ("scraped", token, text); several API servers only)."""
+    endpoint, status: a finished request) or ("scrape", index, token: the metrics' text, answered
+    ("scraped", token, text)); the last two with several API servers only (the registry is here)."""
     kind = message[0]
     if kind == "submit":
         job = message[1]
@@ -223,10 +215,7 @@ def _serve_message(message: tuple, scheduler: Scheduler, frontends: Frontends, o
         for rid in frontends.requests_of(message[1]):
             scheduler.abort(rid)
             frontends.of.pop(rid, None)
-    elif kind == "count":
-        if registry is not None:
-            registry.count_request(message[1], message[2])
-        else:
-            outbox.count_request(message[1], message[2])
+    elif kind == "count" and registry is not None:
+        registry.count_request(message[1], message[2])
     elif kind == "scrape" and registry is not None:
         frontends.send_to(message[1], ("scraped", message[2], registry.render()))

@@ -56,14 +56,11 @@ class Frontends:
         requests in a turn are not woken by it. Events of requests no process waits for (aborted)
         are dropped."""
         events = to_wire(events)
-        if len(self.sockets) == 1:
-            mine = [[item for item in events if item[0] in self.of]]
-        else:
-            mine = [[] for _ in self.sockets]
-            for item in events:
-                index = self.of.get(item[0])
-                if index is not None:
-                    mine[index].append(item)
+        mine = [[] for _ in self.sockets]
+        for item in events:
+            index = self.of.get(item[0])
+            if index is not None:
+                mine[index].append(item)
         for item in events:
             if _ends(item):
                 self.of.pop(item[0], None)

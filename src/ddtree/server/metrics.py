@@ -95,17 +95,12 @@ class Metrics:
             Gauge(name, doc, registry=registry).set_function(lambda key=key: self._snapshot.get(key, 0))
 
     def count_request(self, endpoint: str, status: str) -> None:
-        """One finished API request. With several API-server processes (`forward` set) the count
-        goes through the engine core to every process, so that any of them reports the totals."""
+        """One finished API request. With several API-server processes (`forward` set) the count goes
+        to the engine core, whose registry every process's scrape reads."""
         if self.forward is not None:
             self.forward(endpoint, status)
         else:
             self.requests.labels(endpoint, status).inc()
-
-    def add_request_counts(self, counts: dict[tuple[str, str], int]) -> None:
-        """Forwarded counts of finished requests ({(endpoint, status): count}), as the core sends them."""
-        for labels, count in counts.items():
-            self.requests.labels(*labels).inc(count)
 
     def publish(self, snapshot: dict) -> None:
         """Replace the gauges' values (one dict swap: scrapes see one consistent snapshot)."""

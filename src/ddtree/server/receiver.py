@@ -120,7 +120,7 @@ class TurnReceiver:
             return
         for name, method, value in updates:
             try:
-                getattr(self.metrics if name is None else getattr(self.metrics, name), method)(value)
+                getattr(getattr(self.metrics, name), method)(value)
             except Exception:  # a metric is not worth a request: log it and go on
                 log.exception("engine-core receiver: metric update %s.%s failed", name, method)
         if snapshot is not None:

@@ -57,7 +57,7 @@ def run_app(sockets, args, keys, limits, engine, facts, announce: bool = True, p
     with frozen_heap():  # the app, and with --single-process the engine, out of the collections serving triggers
         server = DrainingServer(uv, scheduler, args.drain_seconds, peers=peers, signals=signals, ending=ending)
         server.run(sockets=sockets)
-    died = getattr(engine, "died", None) or getattr(scheduler, "fatal", None) or getattr(peers, "failed", None)
+    died = getattr(engine, "died", None) or getattr(scheduler, "fatal", None)
     if died:
         if announce:
             print(f"ddtree serve: error: {died}", file=sys.stderr, flush=True)

@@ -6,25 +6,26 @@ does the server decode at the engine's speed (issue 36)?
     python benchmarks/serve_vs_engine.py --api-server-counts 1 4   # one server, then one of 4 HTTP processes
 
 First the engine, in this process: per concurrency c an Engine of max_batch c (the demo pair unless
---target / --drafter), and per mode, after a warm-up call, one generate of the cell's prompts (all
-of them added at once and stepped as the server steps them: c requests run at once, a finished
-one's slot taken by the next prompt, as a server's c clients keep c requests in flight); its decode tokens/s leaves out each request's first
-token and the wall time of the same prompts at max_new_tokens = 1 (their prefills). Then, with this
-process's engines gone, one `ddtree serve --max-batch max(c)` on the same device, warmed with a few
-requests of each mode, and per (mode, c) the same prompts from c concurrent streamed clients
-(benchmarks/serve_bench.py's client, spread over --client-processes processes so that parsing the
-events is not the bottleneck: client_pool.py); its decode tokens/s is the tokens after each request's first
-over the cell's wall time less the clients' mean time to first token summed per client (the
-time each client waited for its requests' first tokens). Each cell, engine and server alike, runs
---repeats passes and reports its median pass (the lower middle one of an even count): single
-passes of a cell moved by up to 2.4x on one H100.
+--target / --drafter), and per mode, after a warm-up pass, the cell's prompts from c clients
+(engine_clients.py: each adds its next prompt when its last request finished, as a server's c
+clients keep c requests in flight). Then, with this process's engines gone, one `ddtree serve
+--max-batch max(c)` on the same device, warmed with a few requests of each mode, and per (mode, c)
+the same prompts from c concurrent streamed clients (benchmarks/serve_bench.py's client, spread over
+--client-processes processes so that parsing the events is not the bottleneck: client_pool.py).
+Both sides' decode tokens/s: the tokens after each request's first over the cell's wall time less
+the clients' mean time to first token summed per client (the time each client waited for its
+requests' first tokens). Each cell, engine and server alike, runs --repeats passes and reports its
+median pass (the lower middle one of an even count): single passes of a cell moved by up to 2.4x on
+one H100. Beside it, one pass of the engine's figure as this benchmark took it before (all prompts
+added at once, the wall time of the same prompts at max_new_tokens = 1 taken off): it subtracted
+prefills batched c at a time while the timed run prefilled arrivals a few at a time.
 
 The JSON's `bars`: server_over_engine_min (the smallest ratio of the server's decode tokens/s to
-the engine's over every cell) and ttft_gap_ms_c1 (the server's median time to first token at
-concurrency 1 less the engine's median prefill per request at batch 1). Requests ignore EOS, so
-both sides make max_tokens tokens per request. Each server cell also reports the CPU seconds over
-its wall time of the busiest HTTP process (and of all of them), the engine-core process and the
-busiest client process (near 1.0: that process ran the whole cell, the likely bottleneck).
+the engine's over every cell) and ttft_gap_ms_c1 (the largest, over modes, of the server's median
+time to first token at concurrency 1 less the engine's). Requests ignore EOS, so both sides make
+max_tokens tokens per request. Each server cell also reports the CPU seconds over its wall time of
+the busiest HTTP process (and of all of them), the engine-core process and the busiest client
+process (near 1.0: that process ran the whole cell, the likely bottleneck).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -46,12 +46,16 @@ from common import environment, markdown_table, write_results  # noqa: E402
 from serve_bench import load_prompts, make_bodies, parse_modes  # noqa: E402
 from serve_vs_generate import free_port, start_server, stop  # noqa: E402
 from client_pool import ClientPool, ServerCpu  # noqa: E402
+from engine_clients import run_clients  # noqa: E402
 
 from ddtree import Engine, SamplingParams  # noqa: E402
 
 
 def engine_cells(args, prompts: list[str], modes) -> dict:
-    """(mode label, c) -> the engine's decode tokens/s, and "prefill_ms_c1": its median prefill per request at c = 1."""
+    """(mode label, c) -> the engine's cell: decode tokens/s from c clients in this process
+    (engine_clients.py: the server's formula, the bars' figure), its TTFT p50 (add_request to the
+    step that returned the first token), and the figure this benchmark reported before (all prompts
+    added at once, their wall time at max_new_tokens = 1 taken off), one pass."""
     out = {}
     for c in args.concurrency:
         engine = Engine.from_pretrained(args.target, args.drafter, device=args.device, max_batch=c,
@@ -61,18 +65,18 @@ def engine_cells(args, prompts: list[str], modes) -> dict:
         first = SamplingParams(max_new_tokens=1, ignore_eos=True)
         for mode, budget in modes:
             kind = {"mode": mode, "budget": 1 if budget is None else budget}
-            _run(engine, cell, params, kind)  # compile, capture, round costs
-            rates = []
-            for _ in range(args.repeats):
-                prefill = _timed(engine, lambda: _run(engine, cell, first, kind))
-                tokens = []
-                seconds = _timed(engine, lambda: tokens.extend(_run(engine, cell, params, kind)))
-                rates.append((sum(tokens) - len(cell)) / max(seconds - prefill, 1e-9))
-            if c == 1:
-                per = [_timed(engine, lambda p=p: _run(engine, [p], first, kind)) for p in cell]
-                out["prefill_ms_c1"] = statistics.median(per) * 1e3
-            out[(label(mode, budget), c)] = statistics.median_low(rates)  # a pass's own figure, as the server's
-            print(f"engine {label(mode, budget)} c={c}: {out[(label(mode, budget), c)]:.1f} decode tokens/s", flush=True)
+            run_clients(engine, cell, c, params, kind)  # compile, capture, round costs
+            runs = sorted((run_clients(engine, cell, c, params, kind) for _ in range(args.repeats)),
+                          key=lambda run: run["decode_tokens_per_s"])
+            run = runs[(len(runs) - 1) // 2]  # the median pass (the lower of two), as the server's
+            prefills = run_clients(engine, cell, len(cell), first, kind)["wall_s"]
+            burst = run_clients(engine, cell, len(cell), params, kind)
+            out[(label(mode, budget), c)] = {
+                "decode_tokens_per_s": run["decode_tokens_per_s"], "ttft_p50_ms": run["ttft_p50_ms"],
+                "decode_tokens_per_s_runs": [r["decode_tokens_per_s"] for r in runs],
+                "steps": run["steps"], "prefills": run["prefills"], "batch_mean": run["batch_mean"],
+                "burst_decode_tokens_per_s": (burst["tokens"] - len(cell)) / max(burst["wall_s"] - prefills, 1e-9)}
+            print(f"engine {label(mode, budget)} c={c}: {out[(label(mode, budget), c)]}", flush=True)
         engine = None  # its memory back before the next engine (and the server)
         gc.collect()
         if torch.cuda.is_available():
@@ -90,26 +94,6 @@ def _server_run(clients: ClientPool, cpu: ServerCpu, url: str, bodies: list[dict
     ttft = statistics.median(r["ttft"] for r in ok) * 1e3 if ok else None
     return {"decode_tokens_per_s": decode, "ttft_p50_ms": ttft, "errors": len(records) - len(ok), "wall_s": wall,
             "tokens": sum(r["tokens"] for r in ok), **cpu.fractions(wall), "client_cpu": client_cpu}
-
-
-def _run(engine: Engine, prompts: list[str], params: SamplingParams, kind: dict) -> list[int]:
-    """The prompts through add_request / step, as the server drives the engine (no closed batch:
-    generate would tell the sizer the caller waits for all); each request's token count."""
-    ids = [engine.add_request(p, params, **kind) for p in prompts]
-    pending = set(ids)
-    while pending:
-        for out in engine.step():
-            if out.finished:
-                pending.discard(out.request_id)
-    return [len(engine.take_result(i).token_ids) for i in ids]
-
-
-def _timed(engine: Engine, fn) -> float:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def cell_prompts(prompts: list[str], concurrency: int, requests: int | None) -> list[str]:
@@ -154,6 +138,10 @@ def server_cells(args, prompts: list[str], modes, api_servers: int) -> dict:
     return out
 
 
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None)
@@ -185,31 +173,36 @@ def main() -> None:
     rows = []
     for count in args.api_server_counts:
         for (name, c), cell in server_cells(args, prompts, modes, count).items():
+            mine = engine[(name, c)]
             rows.append({"mode": name, "concurrency": c, "api_servers": count,
-                         "engine_decode_tokens_per_s": engine[(name, c)], **{f"server_{k}": v for k, v in cell.items()},
-                         "server_over_engine": cell["decode_tokens_per_s"] / engine[(name, c)]})
+                         **{f"engine_{k}": v for k, v in mine.items()}, **{f"server_{k}": v for k, v in cell.items()},
+                         "server_over_engine": cell["decode_tokens_per_s"] / mine["decode_tokens_per_s"]})
     bars = {}
     for count in args.api_server_counts:  # the last count's are the bars
         mine = [r for r in rows if r["api_servers"] == count]
-        c1 = [r["server_ttft_p50_ms"] for r in mine if r["concurrency"] == 1 and r["server_ttft_p50_ms"] is not None]
-        gap = (statistics.median(c1) - engine["prefill_ms_c1"]) if c1 and "prefill_ms_c1" in engine else None
-        bars.update({"server_over_engine_min": min(r["server_over_engine"] for r in mine), "ttft_gap_ms_c1": gap,
-                     "api_servers": count})
+        gaps = [r["server_ttft_p50_ms"] - r["engine_ttft_p50_ms"] for r in mine if r["concurrency"] == 1
+                and r["server_ttft_p50_ms"] is not None and r["engine_ttft_p50_ms"] is not None]
+        bars.update({"server_over_engine_min": min(r["server_over_engine"] for r in mine),
+                     "ttft_gap_ms_c1": max(gaps) if gaps else None, "api_servers": count})
     payload = {"environment": env, "device": args.device, "max_tokens": args.max_tokens, "modes": args.modes,
                "repeats": args.repeats,
                "client_processes": args.client_processes, "api_server_counts": args.api_server_counts,
-               "concurrency": args.concurrency, "engine_prefill_ms_c1": engine.get("prefill_ms_c1"), "rows": rows,
-               "bars": bars}
-    table = (f"The demo pair on {args.device}: the same prompts ({args.max_tokens} tokens each, EOS ignored) through "
-             "the engine (max_batch = c, all prompts added at once) and through `ddtree serve` from c streamed "
-             "clients; decode tokens/s leaves out each request's first token and the time to it.\n\n"
+               "concurrency": args.concurrency, "rows": rows, "bars": bars}
+    table = (f"The demo pair on {args.device}: the same prompts ({args.max_tokens} tokens each, EOS ignored) from c "
+             "clients through the engine in this process (max_batch = c) and through `ddtree serve` (streamed HTTP); "
+             "decode tokens/s on both sides: the tokens after each request's first over the wall time less the "
+             "clients' summed times to first token. ttft_gap_ms_c1: the largest, over modes, of the server's TTFT "
+             "p50 at c = 1 less the engine's. 'engine, burst': the engine's figure as this benchmark took it "
+             "before 2026-12-07 (all prompts added at once, their prefill-only wall time taken off).\n\n"
              + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {'-' if v is None else v}"
                          for k, v in bars.items()) + "\n\n"
-             + markdown_table(["mode", "c", "API servers", "engine decode tokens/s", "server decode tokens/s", "server / engine",
-                               "server TTFT p50 ms", "errors", "CPU: busiest HTTP (all HTTP) / core / client"],
+             + markdown_table(["mode", "c", "API servers", "engine decode tokens/s", "server decode tokens/s",
+                               "server / engine", "engine, burst", "TTFT p50 ms: engine / server", "errors",
+                               "CPU: busiest HTTP (all HTTP) / core / client"],
                               [[r["mode"], r["concurrency"], r["api_servers"], f"{r['engine_decode_tokens_per_s']:.1f}",
                                 f"{r['server_decode_tokens_per_s']:.1f}", f"{r['server_over_engine']:.3f}",
-                                "-" if r["server_ttft_p50_ms"] is None else f"{r['server_ttft_p50_ms']:.1f}",
+                                f"{r['engine_burst_decode_tokens_per_s']:.1f}",
+                                f"{_ms(r['engine_ttft_p50_ms'])} / {_ms(r['server_ttft_p50_ms'])}",
                                 r["server_errors"], f"{r['server_http_cpu']:.2f} ({r['server_http_cpu_sum']:.2f}) / "
                                 f"{r['server_core_cpu']:.2f} / "
                                 f"{r['server_client_cpu']:.2f}"] for r in rows]))

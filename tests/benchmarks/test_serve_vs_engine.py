@@ -28,7 +28,11 @@ def test_the_benchmark_writes_both_sides_and_the_bars(tmp_path, monkeypatch):
     assert row["server_decode_tokens_per_s"] in row["server_decode_tokens_per_s_runs"]
     assert row["server_tokens"] == pair["server_tokens"] == 8  # 2 requests a cell, EOS ignored: max_tokens made
     assert payload["bars"]["server_over_engine_min"] == pytest.approx(min(r["server_over_engine"] for r in (row, pair)))
-    assert payload["bars"]["ttft_gap_ms_c1"] == pytest.approx(row["server_ttft_p50_ms"] - payload["engine_prefill_ms_c1"])
+    assert payload["bars"]["ttft_gap_ms_c1"] == pytest.approx(row["server_ttft_p50_ms"] - row["engine_ttft_p50_ms"])
+    for r in (row, pair):  # both sides' passes: the engine's reported pass is one of its runs
+        assert r["engine_decode_tokens_per_s"] in r["engine_decode_tokens_per_s_runs"]
+        assert len(r["engine_decode_tokens_per_s_runs"]) == 2 and r["engine_burst_decode_tokens_per_s"] > 0
+        assert r["engine_steps"] >= 4 and r["engine_prefills"] >= 1 and 0 < r["engine_batch_mean"] <= r["concurrency"]
     for r in (row, pair):  # the engine core computed every token: it ran for part of the cell at least
         assert 0 < r["server_core_cpu"] <= 1.5 and 0 < r["server_client_cpu"] <= 1.5, r
         assert 0 <= r["server_http_cpu"] <= 1.5, r

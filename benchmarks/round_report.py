@@ -48,8 +48,9 @@ def bars(cells: list[dict]) -> dict:
         if tree:
             _, m = measured(tree)
             out[f"around_verify_ms_b{batch}_budget16"] = sum(m[s]["median"] for s in AROUND_VERIFY if s in m) / 1e3
-    for stage in ("draft", "topk", "commit"):
-        ratios = [c["measured_over_floor"][stage] for c in cells if stage in c.get("measured_over_floor", {})]
+    for stage in ("draft", "topk", "commit"):  # trees' stages: ar's commit (a length and a token) has no floor to speak of
+        ratios = [c["measured_over_floor"][stage] for c in cells
+                  if c["budget"] and stage in c.get("measured_over_floor", {})]
         out[f"{stage}_over_floor_max"] = max(ratios) if ratios else None
     return out
 

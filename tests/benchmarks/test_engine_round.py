@@ -64,7 +64,7 @@ def test_bars_are_the_ratios_of_the_written_stage_times(payload):
     ar, b8, b1 = cells[1, 0], cells[8, 64]["eager"], cells[1, 64]["eager"]
     around = lambda m: sum(m[s]["median"] for s in ("draft", "topk", "build", "accept", "commit")) / 1e3  # noqa: E731
     worst = lambda stage: max(c["eager"][stage]["median"] / c["floors"][stage]["floor_us"]  # noqa: E731
-                              for c in cells.values() if c["budget"] or stage == "commit")
+                              for c in cells.values() if c["budget"])  # ar's commit: no tree's
     want = {"ar_step_b1_over_floor": ar["eager"]["round"]["median"] / ar["floors"]["weight_read"]["floor_us"],
             "build_accept_commit_share_b8_budget64":
                 (b8["build"]["median"] + b8["accept"]["median"] + b8["commit"]["median"]) / b8["round"]["median"],

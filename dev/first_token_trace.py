@@ -78,21 +78,21 @@ def wrap(marks: Marks, cls, name: str, label: str, first_only: bool = False, cou
 
 def traced_core_build(args):
     """Runs in the engine-core process: serve's own build, then the core's hops marked."""
-    from ddtree.server import core_process
     from ddtree.server.command import load_for_serving
+    from ddtree.server.frontends import Frontends
     from ddtree.server.scheduler import Scheduler
 
     marks = Marks()
     wrap(marks, Scheduler, "_accept", "core_accept", counts=True)
     wrap(marks, Scheduler, "_step", "core_step", first_only=True)
-    to_wire = core_process.to_wire
+    send_turn = Frontends.send_turn
 
-    def traced_to_wire(events):
+    def traced_send_turn(self, events, *rest, **kwargs):
         if events:
             marks.mark("core_send")
-        return to_wire(events)
+        return send_turn(self, events, *rest, **kwargs)
 
-    core_process.to_wire = traced_to_wire
+    Frontends.send_turn = traced_send_turn
     return load_for_serving(args)
 
 

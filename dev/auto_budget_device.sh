@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32
+#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32 trace
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -91,12 +91,12 @@ for part in "$@"; do
             | tee "$out/kimi.log" | grep -v "^|" ;;
     servevsengine) # needs the serving wheels carried in .whl/ (docs/notes/server.md), pyzmq's among them
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
-        PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SVE_S:-420}" python3 benchmarks/serve_vs_engine.py --out-dir "$out" 2>&1 \
+        PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SVE_S:-420}" python3 benchmarks/serve_vs_engine.py ${SVE_ARGS:-} --out-dir "$out" 2>&1 \
         | tee "$out/serve_vs_engine.log" | grep -v "^|" | tail -24 ;;
     soak32) # the soak in float32: the serving path's texts against served alone, where near ties are rare
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${SOAK_S:-360}" python3 benchmarks/serve_soak.py \
-        --requests "${SOAK_N:-3000}" --concurrency 64 --serve-args "--max-batch 32 --dtype float32" --out-dir "$out/fp32" 2>&1 \
+        --requests "${SOAK_N:-3000}" --concurrency 64 --serve-args "--max-batch 32 --dtype float32 ${SOAK_ARGS:-}" --out-dir "$out/fp32" 2>&1 \
         | tee "$out/serve_soak_fp32.log" | tail -20 ;;
     soak) # 36's GPU soak: the serving wheels carried in .whl/, as for servevsengine
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
@@ -106,6 +106,10 @@ for part in "$@"; do
                  | grep -v "measuring round costs" | tee "$out/step_intervals.log" ;;
     admission) python3 dev/admission_profile.py --batch 32 --prompts 120 ${ADMISSION_ARGS:-} 2>&1 | tee "$out/admission_profile.log" \
                  | grep -E "wall|prefill|admit" | head -40 ;;
+    trace) # where a served first token's time goes at c = 1 (issue 36's TTFT bar)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        PYTHONPATH=/tmp/site:$PYTHONPATH timeout 120 python3 dev/first_token_trace.py --device cuda --requests 30 \
+        --mode "${TRACE_MODE:-ar}" 2>&1 | tail -16 | tee "$out/first_token_trace.log" ;;
     one) timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA $ONE 2>&1 | tail -15 ;;
     sync) python3 dev/scalar_write_sync.py 2>&1 | tee "$out/scalar_write_sync.log" ;;
     steps) for b in 8 32; do python3 dev/demo_step_profile.py --batch $b --prompts $((4*b)) --configs ar,1 ddtree,16 ddtree,32 ddtree,auto ddtree,auto@0 ddtree,auto@32; done 2>&1 \

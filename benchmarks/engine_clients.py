@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -28,12 +29,13 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
     """The prompts (texts or token ids) from `clients` clients. Returns decode_tokens_per_s, wall_s,
     tokens (every request's), ttft_s (per request: from its add_request to the step that returned its
     first token), steps, prefills (passes) and prefill_rows_mean, batch_mean (running requests after
-    each step) and step_ms_mean."""
+    each step), step_ms_mean and tree_sizes (Counter: rounds per tree size over the requests, 0 a
+    plain step)."""
     if clients < 1:
         raise ValueError(f"clients must be >= 1, got {clients}")
     queue = list(reversed(prompts))
     arrivals = [(0.0, i) for i in range(clients)]  # (due, client): seconds after the start
-    sent, ttft, tokens = {}, [], 0
+    sent, ttft, tokens, sizes = {}, [], 0, Counter()
     steps = prefills = prefill_rows = batch_sum = 0
     prefill = engine.worker.prefill
 
@@ -68,7 +70,9 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
                 if at is not None:
                     ttft.append(now - at)
                 if out.finished:
-                    tokens += len(engine.take_result(out.request_id).token_ids)
+                    result = engine.take_result(out.request_id)
+                    tokens += len(result.token_ids)
+                    sizes.update(result.stats.tree_sizes)
                     heapq.heappush(arrivals, (now + delay_s, 0))
         _sync(engine)
         wall = time.perf_counter() - start
@@ -78,4 +82,5 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
     return {"decode_tokens_per_s": (tokens - len(prompts)) / max(wall - waited, 1e-9), "wall_s": wall,
             "tokens": tokens, "ttft_s": ttft, "ttft_p50_ms": statistics.median(ttft) * 1e3 if ttft else None,
             "steps": steps, "prefills": prefills, "prefill_rows_mean": prefill_rows / max(prefills, 1),
-            "batch_mean": batch_sum / max(steps, 1), "step_ms_mean": wall / max(steps, 1) * 1e3}
+            "batch_mean": batch_sum / max(steps, 1), "step_ms_mean": wall / max(steps, 1) * 1e3,
+            "tree_sizes": sizes}

@@ -59,6 +59,13 @@ def main() -> None:
                       f"({r['decode_tokens_per_s'] / engine_rate:.3f} of the engine's), {r['steps']} steps, "
                       f"{r['prefills']} prefills of {r['prefill_rows_mean']:.1f} rows, batch {r['batch_mean']:.1f}, "
                       f"step {r['step_ms_mean']:.2f} ms, TTFT p50 {r['ttft_p50_ms']:.1f} ms", flush=True)
+                if budget == "auto":
+                    print(f"  auto's tree sizes (size: request rounds): {dict(sorted(r['tree_sizes'].items()))}")
+            if budget == "auto" and engine.sizer is not None and engine.sizer.costs is not None:
+                table = engine.sizer.costs
+                for bucket in sorted(b for b in table.buckets() if b >= c // 2):  # what the sizer read at this batch
+                    print(f"  round costs at bucket {bucket} (ms): "
+                          f"{ {size: round(s * 1e3, 3) for size, s in sorted(table.seconds[bucket].items())} }")
         engine = None
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 

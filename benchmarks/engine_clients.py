@@ -12,6 +12,7 @@ it read the engine up to 1.5x faster than this one (benchmarks/results/arrival_s
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import statistics
 import time
@@ -34,7 +35,7 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
     if clients < 1:
         raise ValueError(f"clients must be >= 1, got {clients}")
     queue = list(reversed(prompts))
-    arrivals = [(0.0, i) for i in range(clients)]  # (due, client): seconds after the start
+    arrivals = [0.0] * clients  # when each client sends its next request: seconds after the start (a heap)
     sent, ttft, tokens, sizes = {}, [], 0, Counter()
     steps = prefills = prefill_rows = batch_sum = 0
     prefill = engine.worker.prefill
@@ -51,7 +52,7 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
     try:
         while True:
             now = time.perf_counter() - start
-            while arrivals and arrivals[0][0] <= now and queue:
+            while arrivals and arrivals[0] <= now and queue:
                 heapq.heappop(arrivals)
                 sent[engine.add_request(queue.pop(), params, **kind)] = now
             if not queue:
@@ -59,7 +60,7 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
             if not engine.has_unfinished():
                 if not arrivals:
                     break
-                time.sleep(max(0.0, arrivals[0][0] - now))
+                time.sleep(max(0.0, arrivals[0] - now))
                 continue
             outputs = engine.step()
             steps += 1
@@ -73,7 +74,7 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
                     result = engine.take_result(out.request_id)
                     tokens += len(result.token_ids)
                     sizes.update(result.stats.tree_sizes)
-                    heapq.heappush(arrivals, (now + delay_s, 0))
+                    heapq.heappush(arrivals, now + delay_s)
         _sync(engine)
         wall = time.perf_counter() - start
     finally:
@@ -84,3 +85,13 @@ def run_clients(engine, prompts: list, clients: int, params, kind: dict, delay_s
             "steps": steps, "prefills": prefills, "prefill_rows_mean": prefill_rows / max(prefills, 1),
             "batch_mean": batch_sum / max(steps, 1), "step_ms_mean": wall / max(steps, 1) * 1e3,
             "tree_sizes": sizes}
+
+
+def burst_decode_tokens_per_s(engine, prompts: list, params, kind: dict) -> tuple[float, dict]:
+    """serve_vs_engine's engine figure before 2026-12-07: every prompt added at once, the wall time
+    of the same prompts at max_new_tokens = 1 taken off; (that figure, the full run's run_clients
+    dict)."""
+    first = dataclasses.replace(params, max_new_tokens=1)
+    prefills = run_clients(engine, prompts, len(prompts), first, kind)["wall_s"]
+    full = run_clients(engine, prompts, len(prompts), params, kind)
+    return (full["tokens"] - len(prompts)) / max(full["wall_s"] - prefills, 1e-9), full

@@ -46,7 +46,7 @@ from common import environment, markdown_table, write_results  # noqa: E402
 from serve_bench import load_prompts, make_bodies, parse_modes  # noqa: E402
 from serve_vs_generate import free_port, start_server, stop  # noqa: E402
 from client_pool import ClientPool, ServerCpu  # noqa: E402
-from engine_clients import run_clients  # noqa: E402
+from engine_clients import burst_decode_tokens_per_s, run_clients  # noqa: E402
 
 from ddtree import Engine, SamplingParams  # noqa: E402
 
@@ -62,20 +62,18 @@ def engine_cells(args, prompts: list[str], modes) -> dict:
                                         max_budget=64)
         cell = cell_prompts(prompts, c, args.requests)
         params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-        first = SamplingParams(max_new_tokens=1, ignore_eos=True)
         for mode, budget in modes:
             kind = {"mode": mode, "budget": 1 if budget is None else budget}
             run_clients(engine, cell, c, params, kind)  # compile, capture, round costs
             runs = sorted((run_clients(engine, cell, c, params, kind) for _ in range(args.repeats)),
                           key=lambda run: run["decode_tokens_per_s"])
             run = runs[(len(runs) - 1) // 2]  # the median pass (the lower of two), as the server's
-            prefills = run_clients(engine, cell, len(cell), first, kind)["wall_s"]
-            burst = run_clients(engine, cell, len(cell), params, kind)
+            burst, _ = burst_decode_tokens_per_s(engine, cell, params, kind)
             out[(label(mode, budget), c)] = {
                 "decode_tokens_per_s": run["decode_tokens_per_s"], "ttft_p50_ms": run["ttft_p50_ms"],
                 "decode_tokens_per_s_runs": [r["decode_tokens_per_s"] for r in runs],
                 "steps": run["steps"], "prefills": run["prefills"], "batch_mean": run["batch_mean"],
-                "burst_decode_tokens_per_s": (burst["tokens"] - len(cell)) / max(burst["wall_s"] - prefills, 1e-9)}
+                "burst_decode_tokens_per_s": burst}
             print(f"engine {label(mode, budget)} c={c}: {out[(label(mode, budget), c)]}", flush=True)
         engine = None  # its memory back before the next engine (and the server)
         gc.collect()

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from engine_clients import run_clients  # noqa: E402
+from engine_clients import burst_decode_tokens_per_s, run_clients  # noqa: E402
 from serve_bench import load_prompts  # noqa: E402
 
 from ddtree import Engine, SamplingParams  # noqa: E402
@@ -37,7 +37,6 @@ def main() -> None:
     args = parser.parse_args()
     prompts = load_prompts(None)
     params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
-    first = SamplingParams(max_new_tokens=1, ignore_eos=True)
     for c in args.concurrency:
         engine = Engine.from_pretrained(max_batch=c, max_budget=64)
         count = args.requests_per_client * c
@@ -46,9 +45,7 @@ def main() -> None:
             mode, budget = config.split(",")
             kind = {"mode": mode, "budget": budget if budget == "auto" else int(budget)}
             run_clients(engine, ids, c, params, kind)  # compile, capture, round costs
-            burst = run_clients(engine, ids, count, first, kind)  # all at once: the prefills alone
-            burst_full = run_clients(engine, ids, count, params, kind)
-            engine_rate = (burst_full["tokens"] - count) / (burst_full["wall_s"] - burst["wall_s"])
+            engine_rate, burst_full = burst_decode_tokens_per_s(engine, ids, params, kind)  # all added at once
             print(f"c={c} {config}: engine formula {engine_rate:.0f} tokens/s (all added at once: "
                   f"{burst_full['steps']} steps, {burst_full['prefills']} prefills of "
                   f"{burst_full['prefill_rows_mean']:.1f} rows, batch {burst_full['batch_mean']:.1f}, "
@@ -67,7 +64,8 @@ def main() -> None:
                     print(f"  round costs at bucket {bucket} (ms): "
                           f"{ {size: round(s * 1e3, 3) for size, s in sorted(table.seconds[bucket].items())} }")
         engine = None
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import sys
 import threading
 import time
 
-from ..arguments import (add_pair_arguments, budget, cache_line, load_engine, positive, serving_batch,
-                         weights_line)
+from ..arguments import (UsageError, add_pair_arguments, budget, cache_line, load_engine, positive,
+                         serving_batch, weights_line)
 from .auth import ENV_VAR, api_keys
 from .listening import listen
 
@@ -189,13 +189,9 @@ def _serve_on(sockets, args, keys) -> int:
 
     count = args.api_server_count
     if count > 1 and args.single_process:
-        from ..arguments import UsageError
-
         raise UsageError("--api-server-count needs the engine in a process of its own (drop --single-process)")
     for flag, value in (("--max-queue", args.max_queue), ("--max-streams", args.max_streams)):
         if count > 1 and value is not None and value < count:
-            from ..arguments import UsageError
-
             raise UsageError(f"{flag} {value} is less than --api-server-count {count}: each API server takes an "
                              "equal share of it, at least 1")
     limits = shared_limits(serving_limits(args), count)

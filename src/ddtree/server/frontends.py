@@ -55,28 +55,23 @@ class Frontends:
         with events of its own, else at most every SPREAD_S (or `force`), so that processes without
         requests in a turn are not woken by it. Events of requests no process waits for (aborted)
         are dropped."""
-        events = to_wire(events)
         mine = [[] for _ in self.sockets]
-        for item in events:
+        for item in to_wire(events):
             index = self.of.get(item[0])
             if index is not None:
                 mine[index].append(item)
-        for item in events:
-            if _ends(item):
+            if _ends(item):  # a request's last event: no later one in this turn
                 self.of.pop(item[0], None)
         now = time.monotonic()
         with self.lock:
-            self._send_turn(mine, updates, snapshot, force, now)
-
-    def _send_turn(self, mine: list[list], updates: list, snapshot: dict, force: bool, now: float) -> None:
-        for index, (sock, events_here) in enumerate(zip(self.sockets, mine)):
-            pending = self.pending[index]
-            pending.extend(updates)
-            if not (events_here or (force or now - self.sent_at[index] >= SPREAD_S)
-                    and (pending or snapshot != self.snapshot_sent[index])):
-                continue
-            sock.send_pyobj(("turn", events_here, pending, snapshot))  # never blocks: no bound
-            self.pending[index], self.snapshot_sent[index], self.sent_at[index] = [], snapshot, now
+            for index, (sock, events_here) in enumerate(zip(self.sockets, mine)):
+                pending = self.pending[index]
+                pending.extend(updates)
+                if not (events_here or (force or now - self.sent_at[index] >= SPREAD_S)
+                        and (pending or snapshot != self.snapshot_sent[index])):
+                    continue
+                sock.send_pyobj(("turn", events_here, pending, snapshot))  # never blocks: no bound
+                self.pending[index], self.snapshot_sent[index], self.sent_at[index] = [], snapshot, now
 
     def requests_of(self, index: int) -> list[str]:
         return [rid for rid, at in list(self.of.items()) if at == index]

@@ -102,6 +102,23 @@ def budget(text: str):
     return value
 
 
+def warm_modes(text: str) -> list[tuple[str, int | str | None]]:
+    """A --warm-modes value as (mode, budget) pairs: "ar", "chain", "ddtree:N" or "ddtree:auto",
+    comma separated, repeats dropped."""
+    modes = []
+    for entry in (e.strip() for e in text.split(",")):
+        mode, _, value = entry.partition(":")
+        if mode in ("ar", "chain") and not value:
+            pair = (mode, None)
+        elif mode == "ddtree" and (value == "auto" or (value.isdigit() and int(value) > 0)):
+            pair = (mode, value if value == "auto" else int(value))
+        else:
+            raise argparse.ArgumentTypeError(f"{entry!r} is none of ar, chain, ddtree:auto, ddtree:N (N > 0)")
+        if pair not in modes:
+            modes.append(pair)
+    return modes
+
+
 def add_pair_arguments(p: argparse.ArgumentParser, sized_to_prompts: bool = False) -> None:
     """--target / --drafter and how to load them: shared by generate, serve and profile.
     sized_to_prompts (generate): the batch and the request length default to what the prompts need."""
@@ -178,6 +195,11 @@ def check_before_loading(args) -> str | None:
     budget_ = getattr(args, "budget", None)
     if isinstance(budget_, int) and budget_ > args.max_budget:
         return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"
+    for mode, value in getattr(args, "warm_modes", None) or ():
+        if mode != "ar" and args.target is not None and args.drafter is None:
+            return f"--warm-modes {mode}: needs --drafter DIR (or warm ar only)"
+        if isinstance(value, int) and value > args.max_budget:
+            return f"--warm-modes ddtree:{value} is above --max-budget {args.max_budget}"
     return None
 
 

@@ -142,6 +142,8 @@ def test_models_health_and_metrics(idle_server):
     assert metric(idle_server.url, "ddtree_requests_total", endpoint="/v1/completions", status="200") == before + 1
     assert metric(idle_server.url, "ddtree_generated_tokens_total") == tokens + generated
     assert metric(idle_server.url, "ddtree_kv_pages_free") == idle_server.engine.blocks.num_pages
+    # a CPU engine has no round graphs: neither count moves
+    assert metric(idle_server.url, "ddtree_eager_rounds") == metric(idle_server.url, "ddtree_round_graphs") == 0
 
 
 def test_the_openai_client(idle_server, reference):

@@ -18,6 +18,7 @@ class _IdleEngine:
 
     blocks = SimpleNamespace(num_free=4, num_pages=4, num_promised=0)
     num_running = 0
+    graphs = None  # an engine without CUDA graphs (the CPU)
     stopping = threading.Event()
 
     def has_unfinished(self) -> bool:

@@ -15,6 +15,7 @@ their slots, pages and statistics are gone when the measurement returns.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -109,18 +110,19 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     return table
 
 
-def capture_round_graphs(engine, buckets: list[int], *, warmup: int = 3) -> None:
+def capture_round_graphs(engine, buckets: list[int], *, warmup: int = 3, params: SamplingParams | None = None) -> None:
     """Capture the CUDA graphs of budget auto's rounds at each bucket in `buckets` (plain steps
     with and without their rows set aside, every tree size with and without an append), as
     measure_round_costs does for the buckets it times: for buckets whose costs come from a kept
-    or given table. Stand-in requests, as there; buckets the KV cache cannot fill are left out."""
+    or given table. Stand-in requests, as there, greedy unless `params` (its sampling settings;
+    its max_new_tokens is replaced); buckets the KV cache cannot fill are left out."""
     if not buckets:
         return
     engine.drain()
     prefix, new_tokens, fit = stand_in_geometry(engine, None, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + 1)
     buckets = [b for b in buckets if b <= fit]
     start, gen, vocab = time.perf_counter(), torch.Generator().manual_seed(0), engine.target.cfg.vocab_size
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=0)
+    params = dataclasses.replace(params or SamplingParams(ignore_eos=True, seed=0), max_new_tokens=new_tokens)
     for bucket in buckets:
         for size in engine.sizer.sizes:
             prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
@@ -129,14 +131,15 @@ def capture_round_graphs(engine, buckets: list[int], *, warmup: int = 3) -> None
              list(engine.sizer.sizes), time.perf_counter() - start)
 
 
-def stand_in_geometry(engine, prefix: int | None, steps: int) -> tuple[int, int, int]:
+def stand_in_geometry(engine, prefix: int | None, steps: int, nodes: int | None = None) -> tuple[int, int, int]:
     """(prompt tokens, new tokens, stand-ins the KV cache holds at once) for a measurement of
     `steps` steps: new tokens for more than the steps can commit (or what max_model_len leaves),
-    the prompt shrunk to fit beside them."""
+    the prompt shrunk to fit beside them; nodes: the most tree nodes a round reserves beyond them
+    (default: budget auto's largest size)."""
     room = engine.max_model_len
     new_tokens = max(1, min((steps + 2) * (engine.max_depth + 1) + 1, room - 1))
     prefix = max(1, min(prefix or 256, max(1, room // 4), room - new_tokens))
-    per = pages_for(prefix + new_tokens + engine.sizer.largest, engine.page_size)
+    per = pages_for(prefix + new_tokens + (engine.sizer.largest if nodes is None else nodes), engine.page_size)
     blocks = engine.blocks
     fit = 0 if per > blocks.table.shape[1] else min(engine.max_batch, blocks.num_pages // per)
     return prefix, new_tokens, fit

@@ -13,7 +13,7 @@ import threading
 import time
 
 from ..arguments import (UsageError, add_pair_arguments, budget, cache_line, load_engine, positive,
-                         serving_batch, weights_line)
+                         serving_batch, warm_modes, weights_line)
 from .auth import ENV_VAR, api_keys
 from .listening import listen
 
@@ -44,6 +44,10 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
                    "the one kept from an earlier run for this pair and device, with what it lacks measured at "
                    "start-up, before the server is ready, and kept)")
     p.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
+    p.add_argument("--warm-modes", type=warm_modes, default=None,
+                   help="comma-separated modes whose round graphs are captured at start-up, at every batch bucket "
+                        "and sampling setting (ar, chain, ddtree:auto, ddtree:N); a request of another fixed budget "
+                        "captures on its first rounds (default: ar, chain and ddtree at --budget)")
     p.add_argument("--max-queue", type=_positive_int, default=256,
                    help="requests waiting for a batch slot before new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=_positive_int, default=2 << 20, help="larger request bodies get 413")
@@ -132,8 +136,8 @@ def serve(args) -> int:
 
 def load_for_serving(args):
     """The engine serve runs (in the engine-core process unless --single-process), with its round
-    costs for budget auto ready: kept, loaded or measured before any request waits for them."""
-    from ..engine.kept_costs import table_path
+    costs for budget auto ready (kept, loaded or measured) and the round graphs of --warm-modes
+    captured before any request waits for them."""
     from ..engine.loading import resolve_device
     from ..engine.prefill_graphs import capture_prefill_graphs
 
@@ -147,8 +151,24 @@ def load_for_serving(args):
     if buckets:
         print(f"ddtree serve: prefill graphs of prompts up to {buckets[-1]} rows (buckets {buckets}) captured in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    if engine.sizer is None:
-        return engine
+    if engine.sizer is not None:
+        measure_for_auto(engine)
+    from ..engine.warming import capture_mode_graphs, default_warm_modes
+
+    modes = args.warm_modes or default_warm_modes(args.budget, engine.sizer is not None)
+    start = time.perf_counter()
+    buckets = capture_mode_graphs(engine, modes, progress=True)
+    if buckets:
+        names = ", ".join(mode if budget is None else f"{mode}:{budget}" for mode, budget in modes)
+        print(f"ddtree serve: round graphs of {names} at batch buckets {buckets} (greedy, sampled, sampled with a "
+              f"cut) captured in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return engine
+
+
+def measure_for_auto(engine) -> None:
+    """Budget auto's round costs at start-up: kept, loaded or measured (its greedy graphs with them)."""
+    from ..engine.kept_costs import table_path
+
     start = time.perf_counter()
     missing = engine.unmeasured_buckets()
     if missing:
@@ -167,7 +187,6 @@ def load_for_serving(args):
         print(f"ddtree serve: warning: round costs could not be measured ({err}); budget auto takes the "
               "smallest tree (a fixed --budget, or --round-costs from ddtree profile, avoids it)",
               file=sys.stderr, flush=True)
-    return engine
 
 
 def serving_facts(engine) -> dict:

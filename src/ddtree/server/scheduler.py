@@ -336,6 +336,15 @@ class Scheduler:
         blocks = self.engine.blocks
         snapshot = {"running": self.engine.num_running, "queued": self._queued, "live": len(self._live),
                     "pages_free": blocks.num_free, "pages_in_use": blocks.num_pages - blocks.num_free,
-                    "pages_promised": blocks.num_promised, "pages_total": blocks.num_pages}
+                    "pages_promised": blocks.num_promised, "pages_total": blocks.num_pages,
+                    **graph_counts(self.engine)}
         self.snapshot = snapshot
         self.metrics.publish(snapshot)
+
+
+def graph_counts(engine) -> dict:
+    """Rounds run eagerly (a plan's first round, or one past the graph limit) and round graphs
+    captured since start-up: growth while serving is compile and capture on the request path."""
+    graphs = engine.graphs
+    return {"eager_rounds": graphs.eager_rounds if graphs is not None else 0,
+            "round_graphs": graphs.captures if graphs is not None else 0}

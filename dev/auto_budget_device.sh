@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32 trace
+#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32 trace fresh
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -110,6 +110,10 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout 120 python3 dev/first_token_trace.py --device cuda --requests 30 \
         --mode "${TRACE_MODE:-ar}" 2>&1 | tail -16 | tee "$out/first_token_trace.log" ;;
+    fresh) # issue 22's fresh-server bar: a new server's first pass over the cells against its second
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${FRESH_S:-360}" python3 benchmarks/serve_fresh.py ${FRESH_ARGS:-} \
+        --out-dir "$out" 2>&1 | tee "$out/serve_fresh.log" | grep -v "^|" | tail -30 ;;
     one) timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA $ONE 2>&1 | tail -15 ;;
     sync) python3 dev/scalar_write_sync.py 2>&1 | tee "$out/scalar_write_sync.log" ;;
     steps) for b in 8 32; do python3 dev/demo_step_profile.py --batch $b --prompts $((4*b)) --configs ar,1 ddtree,16 ddtree,32 ddtree,auto ddtree,auto@0 ddtree,auto@32; done 2>&1 \

@@ -12,7 +12,8 @@ and against the floors.
         # or :pairs: how its INT4 tiles unpack (INT4_UNPACK, ops/int4_tiles.py); :pairs-ws: in pairs with
         # the scales loaded one per word (INT4_SCALE_PAIRS off); :gi: the experts in the group-interleaved
         # order (ops/int4.interleave_int4, ops/int4_interleaved.py; those tiles step K by 256 themselves,
-        # K sizes only the shared experts' tiles in the same launch)
+        # K sizes only the shared experts' tiles in the same launch); :gi128: the same at 128-column K
+        # steps (moe_int4.INT4_INTERLEAVED_STEP)
 
 One MoE layer of each config with random weights on the GPU (bf16, or INT4 packed as the checkpoint
 stores them where the config says so); the router's own choices on random rows (so routing is
@@ -54,18 +55,18 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 TILES = "auto,16x64x128,16x32x128,16x128x64,16x64x64,32x64x128,64x64x64"  # BLOCK_M x BLOCK_N x BLOCK_K
 
 
-TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|pairs-ws|pairs|gi))?")
+TILE = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?::(word|pairs-ws|pairs|gi128|gi))?")
 
 
 def parse_tile(text: str):
     """None for "auto", else (M, N, K, warps or None, stages or None, INT4 unpacking or None) from
-    "MxNxK[wW][sS][:word|:pairs|:pairs-ws|:gi]" (ops/moe_int4.py's INT4_UNPACK and INT4_SCALE_PAIRS,
-    ops/int4_tiles.py; gi: interleaved experts)."""
+    "MxNxK[wW][sS][:word|:pairs|:pairs-ws|:gi|:gi128]" (ops/moe_int4.py's INT4_UNPACK and INT4_SCALE_PAIRS,
+    ops/int4_tiles.py; gi: interleaved experts, gi128: those at 128-column K steps)."""
     if text == "auto":
         return None
     match = TILE.fullmatch(text)
     if match is None:
-        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:pairs|:pairs-ws|:gi] "
+        raise SystemExit(f"--tiles: {text!r} is not auto or MxNxK[wW][sS][:word|:pairs|:pairs-ws|:gi|:gi128] "
                          "(e.g. 64x128x64w8s2:pairs)")
     *numbers, unpack = match.groups()
     return (*(int(v) if v else None for v in numbers), unpack)
@@ -84,18 +85,19 @@ def launch_settings(warps: int | None, stages: int | None, unpack: str | None = 
     """ops/moe.py's and moe_int4.py's launch constants set to these (None: as they are) while the
     block runs."""
     saved = (moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK, moe_int4.INT4_SCALE_PAIRS,
-             moe_int4.INT4_INTERLEAVED_STAGES_MANY)
+             moe_int4.INT4_INTERLEAVED_STAGES_MANY, moe_int4.INT4_INTERLEAVED_STEP)
     moe.NUM_WARPS = warps or saved[0]
     moe_int4.INT4_ROWS_WARPS = warps or saved[1]
     moe.NUM_STAGES = stages or saved[2]
     moe_int4.INT4_INTERLEAVED_STAGES_MANY = stages or saved[5]
     moe_int4.INT4_UNPACK = unpack.removesuffix("-ws") if unpack in ("word", "pairs", "pairs-ws") else saved[3]
-    moe_int4.INT4_SCALE_PAIRS = saved[4] if unpack in (None, "gi") else not unpack.endswith("-ws")
+    moe_int4.INT4_SCALE_PAIRS = saved[4] if unpack in (None, "gi", "gi128") else not unpack.endswith("-ws")
+    moe_int4.INT4_INTERLEAVED_STEP = 128 if unpack == "gi128" else 256 if unpack == "gi" else saved[6]
     try:
         yield
     finally:
         (moe.NUM_WARPS, moe_int4.INT4_ROWS_WARPS, moe.NUM_STAGES, moe_int4.INT4_UNPACK,
-         moe_int4.INT4_SCALE_PAIRS, moe_int4.INT4_INTERLEAVED_STAGES_MANY) = saved
+         moe_int4.INT4_SCALE_PAIRS, moe_int4.INT4_INTERLEAVED_STAGES_MANY, moe_int4.INT4_INTERLEAVED_STEP) = saved
 
 
 def moe_layer(name: str) -> MoE:
@@ -118,7 +120,7 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
     # auto: fused_moe's choice on the experts as the models store them, in the interleaved order
     # where it runs natively (models/int4_order.py), as the engine runs them
     native_gi = int4 and moe_int4.interleavable(*experts, experts[0].packed.device)
-    gi = native_gi or any(tile and tile[5] == "gi" for tile in tiles)
+    gi = native_gi or any(tile and tile[5] in ("gi", "gi128") for tile in tiles)
     interleaved = tuple(interleave_int4(w) for w in experts) if int4 and gi else None
     rows = []
     for t in tokens:
@@ -141,9 +143,9 @@ def time_layer(name: str, layer: MoE, tokens: list[int], ceilings: dict, tiles) 
             # auto: fused_moe's own choice (block_m_for, tiles_for)
             m, n, k, warps, stages, unpack = tile or (None,) * 6
             parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
-            weights_of_tile = interleaved if unpack == "gi" or (tile is None and native_gi) else experts
+            weights_of_tile = interleaved if unpack in ("gi", "gi128") or (tile is None and native_gi) else experts
             if weights_of_tile is None:
-                raise SystemExit(f"--tiles {tile_name(tile)}: :gi takes INT4 experts only")
+                raise SystemExit(f"--tiles {tile_name(tile)}: :gi / :gi128 take INT4 experts only")
             with launch_settings(warps, stages, unpack):
                 row_kernels = int4 and moe_int4.int4_row_kernels(x, *weights_of_tile)  # as fused_moe decides here
                 spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], e, h, i, x.dtype, x.device, m,

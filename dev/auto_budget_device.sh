@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32 trace fresh
+#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles int4step tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32 trace fresh
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -37,6 +37,10 @@ for part in "$@"; do
         --configs kimi-k2.6 --tokens 1 9 65 --tiles 16x64x64:gi --out "$out/mma2" 2>&1 | grep "^{" | cut -c1-300
       timeout "${ROUND_S:-300}" python3 benchmarks/engine_round.py --config kimi-k2.6 --layers 4 --batches 1 8 32 \
         --budgets 4 8 16 --e2e-batches --out "$out" 2>&1 | tail -3 ;;
+    int4step) # the interleaved tiles at 128-column K steps beside 256 (session 51: 168 registers, 3 CTAs an SM at 64 rows)
+      timeout "${INT4_S:-240}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 --tokens 1 9 65 2080 \
+        --tiles auto,16x64x64:gi,16x64x64:gi128,64x64x64s2:gi,64x64x64s2:gi128,64x64x64s3:gi128 --out "$out" 2>&1 \
+        | grep "^{" | cut -c1-600 ;;
     int4moe) timeout "${INT4_S:-150}" python3 benchmarks/moe_paths.py --configs kimi-k2.6 kimi-k2 --tokens 1 9 65 2080 \
                --tiles auto --out "$out" 2>&1 | tail -12 ;;
     int4vs) # the INT4 layer at HEAD beside INT4_BASE's (default 9820291, before the row kernels' restructure), one run

@@ -33,7 +33,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("int4_kernel_split.py times CUDA kernels: no GPU here")
-    tiles = [parse_tile(text.removesuffix(":gi") + ":gi") for text in args.tiles]  # auto is refused by parse_tile
+    # every tile interleaved: ":gi" unless it names ":gi128" (128-column K steps); auto is refused by parse_tile
+    tiles = [parse_tile(text if text.endswith((":gi", ":gi128")) else text + ":gi") for text in args.tiles]
     layer = moe_layer(args.config)
     if layer.int4 is None:
         raise SystemExit(f"--config {args.config}: its routed experts are not INT4")
@@ -47,9 +48,9 @@ def main() -> None:
         weights, ids = layer.gate(x)
         parts = token_chunks(t, ids.shape[1])  # past MAX_PAIRS, in the chunks the MoE layer itself runs
         out = torch.empty_like(x)
-        for text, (m, n, k, warps, stages, _) in zip(args.tiles, tiles):
+        for text, (m, n, k, warps, stages, unpack) in zip(args.tiles, tiles):
             spaces = [Workspace.empty(p.stop - p.start, ids.shape[1], *shape, x.dtype, x.device, m) for p in parts]
-            with launch_settings(warps, stages, "gi"):
+            with launch_settings(warps, stages, unpack):
                 def run():  # preallocated: only the layer's own kernels are counted
                     for p, ws in zip(parts, spaces):
                         fused_moe(x[p], *experts, weights[p], ids[p], out=out[p], workspace=ws, block_m=m,

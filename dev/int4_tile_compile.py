@@ -3,8 +3,8 @@ registers per thread, shared memory per CTA, how many CTAs and warps an SM can h
 tensor-core instructions and the whole kernel's SASS length (tests/ops/fused_moe_compile.py's
 report). What a tile costs in occupancy before a device times it (docs/notes/int4.md).
 
-    PYTHONPATH=src python dev/int4_tile_compile.py --tiles 64x64x64:4:2 64x128x64:8:2
-    (BLOCK_M x BLOCK_N x BLOCK_K : warps : stages; TRITON_INTERPRET unset)
+    PYTHONPATH=src python dev/int4_tile_compile.py --tiles 64x64x64:4:2 64x128x64:8:2 64x64x64:4:2:128
+    (BLOCK_M x BLOCK_N x BLOCK_K : warps : stages [: K step, 256 or 128 columns]; TRITON_INTERPRET unset)
 """
 
 from __future__ import annotations
@@ -43,19 +43,20 @@ def main() -> None:
         "down": (moe_kernels.down_kernel, dict(h_ptr="*bf16", w_ptr="*i32", weights_ptr="*fp32", y_ptr="*fp32",
                                                shared_down_ptr="*bf16", scale_ptr="*bf16", **index)),
     }
-    print("| kernel | tile | warps | stages | registers | shared KB | CTAs an SM: registers / shared | warps an SM "
+    print("| kernel | tile | warps | stages | K step | registers | shared KB | CTAs an SM: registers / shared | warps an SM "
           "| MMA | SASS | serialized wgmma |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.tiles:
-        shape, warps, stages = spec.split(":")
+        shape, warps, stages, *step = spec.split(":")
+        step = int(step[0]) if step else 256
         block_m, block_n, block_k = (int(v) for v in shape.split("x"))
         flags = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=False, PRECISION="tf32", W4=True,
-                     GROUP=32, EVEN_K=True, UNPACK="interleaved", DIRECT=False)
+                     GROUP=32, EVEN_K=True, UNPACK="interleaved", DIRECT=False, STEP=step)
         for name, (kernel, pointers) in kernels.items():
             r = compile_report(kernel, pointers, flags, num_warps=int(warps), num_stages=int(stages))
             by_registers, by_shared = occupancy(r["registers"], int(warps), r["shared"])
             ctas = min(by_registers, by_shared)
-            print(f"| {name} | {shape} | {warps} | {stages} | {r['registers']} (spills {r['spill_bytes']} B) | "
+            print(f"| {name} | {shape} | {warps} | {stages} | {step} | {r['registers']} (spills {r['spill_bytes']} B) | "
                   f"{r['shared'] / 1024:.0f} | {by_registers} / {by_shared} | {ctas * int(warps)} | {r['mma']} | "
                   f"{r['instructions']} | {r['serialized_wgmma']} |", flush=True)
 

@@ -80,7 +80,7 @@ def all_reports() -> dict[str, dict]:
     4096 pairs over 64 experts."""
     dtype = "*bf16"
     tiles = dict(BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
-                 DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False, UNPACK="word")
+                 DOT_F32=False, PRECISION="tf32", W4=False, GROUP=32, EVEN_K=False, UNPACK="word", STEP=256)
     index = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32")
     gemm = dict(num_warps=fused_moe.NUM_WARPS, num_stages=fused_moe.NUM_STAGES)
     gate_up_pointers = dict(x_ptr=dtype, w_ptr=dtype, h_ptr=dtype, shared_gate_ptr=dtype, shared_up_ptr=dtype,
@@ -122,9 +122,11 @@ def all_reports() -> dict[str, dict]:
            for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
                                           ("down", fused_moe_kernels.down_kernel, down_pointers))},
         # the interleaved tiles at a tree verify's many rows per expert, as launched there
-        **{f"{name}_int4_interleaved_many": compile_report(
-            kernel, dict(pointers, w_ptr="*i32"), dict(interleaved, BLOCK_M=64),
+        # (and at 128-column K steps: moe_int4.INT4_INTERLEAVED_STEP)
+        **{f"{name}_int4_interleaved_many{suffix}": compile_report(
+            kernel, dict(pointers, w_ptr="*i32"), dict(interleaved, BLOCK_M=64, STEP=step),
             num_warps=fused_moe.NUM_WARPS, num_stages=moe_int4.INT4_INTERLEAVED_STAGES_MANY)
+           for suffix, step in (("", 256), ("_step128", 128))
            for name, kernel, pointers in (("gate_up", fused_moe_kernels.gate_up_kernel, gate_up_pointers),
                                           ("down", fused_moe_kernels.down_kernel, down_pointers))},
         # the INT4 row kernels at their defaults: a decode token (one pair per program) and blocks of two

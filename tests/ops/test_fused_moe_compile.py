@@ -31,7 +31,8 @@ def test_a_wide_alignment_shares_its_sort_over_more_warps(reports):
 def test_gemms_use_tensor_cores_and_pipelined_loads(reports):
     for name in ("gate_up", "down", "gate_up_direct", "down_direct", "gate_up_int4", "down_int4",
                  "gate_up_int4_pairs", "down_int4_pairs", "gate_up_int4_interleaved", "down_int4_interleaved",
-                 "gate_up_int4_interleaved_many", "down_int4_interleaved_many"):
+                 "gate_up_int4_interleaved_many", "down_int4_interleaved_many", "gate_up_int4_interleaved_many_step128",
+                 "down_int4_interleaved_many_step128"):
         report = reports[name]
         assert report["mma"] > 0, (name, report)
         assert report["shared"] <= 232448, (name, report)  # the sm_90 opt-in limit per block (227 KB)
@@ -46,7 +47,8 @@ def test_int4_tiles_wait_on_no_load_and_interleaved_ones_stay_in_registers(repor
     the interleaved order's weights go from their loaded words to the MMA in registers, where the
     pairs tile is stored to shared memory first."""
     interleaved = ("gate_up_int4_interleaved", "down_int4_interleaved", "gate_up_int4_interleaved_many",
-                   "down_int4_interleaved_many")
+                   "down_int4_interleaved_many", "gate_up_int4_interleaved_many_step128",
+                   "down_int4_interleaved_many_step128")
     for name in ("gate_up_int4_pairs", "down_int4_pairs", *interleaved):
         assert reports[name]["blocking_tile_loads"] == 0, (name, reports[name])
     for name in interleaved:  # nor between threads: a half block's groups relabel within each thread
@@ -84,6 +86,7 @@ def test_every_kernel_waits_for_its_producer_first(reports):
     assert set(reports) == {"align", "align_wide_4_warps", "align_wide", "gate_up", "down", "gate_up_direct",
                             "down_direct", "gate_up_int4", "down_int4", "gate_up_int4_pairs", "down_int4_pairs",
                             "gate_up_int4_interleaved", "down_int4_interleaved", "gate_up_int4_interleaved_many",
-                            "down_int4_interleaved_many", "gate_up_rows", "down_rows", "sum"}
+                            "down_int4_interleaved_many", "gate_up_int4_interleaved_many_step128",
+                            "down_int4_interleaved_many_step128", "gate_up_rows", "down_rows", "sum"}
     for name, report in reports.items():
         assert report["pdl_waits"] >= 1 and report["waits_first"], (name, report)

@@ -67,6 +67,27 @@ def test_interleaved_experts_match_the_float64_loop(case, block_m, num_shared, k
                                        cpu(weights), cpu(ids)))
 
 
+@pytest.mark.parametrize("case, block_m", [(CASES[1], 16), (CASES[2], 64)], ids=["T6", "T12-block64"])
+def test_half_block_steps_match_the_float64_loop(case, block_m, kernel_device, monkeypatch):
+    """INT4_INTERLEAVED_STEP 128: each K step multiplies half an interleaved block (its 16 words and 4
+    scales); the same sums as the float64 loop, with a shared expert beside the routed ones."""
+    monkeypatch.setattr(moe_int4, "INT4_INTERLEAVED_STEP", 128)
+    x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device, group=32)
+    shared = make_shared(case, 1, torch.bfloat16, kernel_device)
+    ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, torch.bfloat16,
+                         kernel_device, block_m=block_m, num_shared=1)
+    ws.sorted_pairs.fill_(POISON_INT)
+    for buf in (ws.h, ws.y):
+        buf.fill_(float("nan"))
+    got = fused_moe(x, interleave_int4(gate_up), interleave_int4(down), weights, ids, shared=shared, workspace=ws,
+                    block_m=block_m)
+    assert not got.isnan().any()
+    cpu = lambda t: t.cpu()  # noqa: E731
+    want = moe_reference(cpu(x), cpu(dense(gate_up, x.dtype)), cpu(dense(down, x.dtype)), cpu(weights), cpu(ids),
+                         type(shared)(*(cpu(t) for t in (shared.gate, shared.up, shared.down))))
+    assert_close(got, want, TOL[torch.bfloat16])
+
+
 def test_what_the_interleaved_order_cannot_take_is_refused(kernel_device):
     with pytest.raises(ValueError, match="group_size=32"):
         interleave_int4(quantize_int4(torch.randn(2, 4, 512), 64))

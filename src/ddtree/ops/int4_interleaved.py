@@ -79,33 +79,65 @@ def _block(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, strid
 
 
 @triton.jit
+def _half(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+          BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
+    """acc^T += rows offs_n of the weight over the 128 columns from k0 (a multiple of 128): one half
+    block's 16 words and 4 scales, so a step holds half a block's unpacked operand."""
+    rows = offs_n.to(tl.int64)
+    words = tl.load(packed_ptr + rows[:, None] * stride_pn + (k0 // 8 + tl.arange(0, 16))[None, :],
+                    mask=col_ok[:, None], other=0)
+    pairs = scale_ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_sn // 2) + k0 // 64
+    p0 = tl.load(pairs, mask=col_ok, other=0)
+    p1 = tl.load(pairs + 1, mask=col_ok, other=0)
+    return _half_block(acc, a_rows, row_ok, words, scale_half(p0, False), scale_half(p0, True), scale_half(p1, False),
+                       scale_half(p1, True), k0, BLOCK_N, DOT_F32, PTX)
+
+
+@triton.jit
+def _step(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+          BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr, STEP: tl.constexpr):
+    """One K step of STEP columns from k0: a whole 256-column block, or half of one (128)."""
+    if STEP == 128:
+        acc = _half(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+                    BLOCK_N, DOT_F32, PTX)
+    else:
+        acc = _block(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+                     BLOCK_N, DOT_F32, PTX)
+    return acc
+
+
+@triton.jit
 def swiglu_tile_w4i(a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, inter, hidden, stride_pn, stride_sn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr,
+                    STEP: tl.constexpr = 256):
     """silu(x @ Wg) * (x @ Wu), float32 [BLOCK_M, BLOCK_N], for activation rows a_rows [BLOCK_M]
     (pointers at column 0) and gate rows offs_n, up rows inter + offs_n of one expert's interleaved
-    weight (packed_ptr, scale_ptr at the expert). hidden: a positive multiple of 256."""
+    weight (packed_ptr, scale_ptr at the expert). hidden: a positive multiple of 256; STEP: columns a K
+    step multiplies (256: a whole interleaved block; 128: half, fewer registers a step)."""
     # The loop runs at least once: otherwise the zeros it would hand on are an accumulator that
     # other instructions define while a wgmma may be in flight, and ptxas serializes every wgmma
     # of the kernel (its advisory C7515), each waiting for the last.
     acc_gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     tl.assume(hidden >= 256)
-    for k0 in range(0, hidden, 256):
-        acc_gate = _block(acc_gate, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
-                          BLOCK_N, DOT_F32, PTX)
-        acc_up = _block(acc_up, a_rows, row_ok, packed_ptr, scale_ptr, inter + offs_n, col_ok, k0, stride_pn,
-                        stride_sn, BLOCK_N, DOT_F32, PTX)
+    for k0 in range(0, hidden, STEP):
+        acc_gate = _step(acc_gate, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+                         BLOCK_N, DOT_F32, PTX, STEP)
+        acc_up = _step(acc_up, a_rows, row_ok, packed_ptr, scale_ptr, inter + offs_n, col_ok, k0, stride_pn,
+                       stride_sn, BLOCK_N, DOT_F32, PTX, STEP)
     gate, up = tl.trans(acc_gate), tl.trans(acc_up)
     return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
 def matmul_tile_w4i(a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, depth, stride_pn, stride_sn,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
-    """a @ W^T for rows offs_n of one expert's interleaved weight [out, depth]: float32 [BLOCK_M, BLOCK_N]."""
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr,
+                    STEP: tl.constexpr = 256):
+    """a @ W^T for rows offs_n of one expert's interleaved weight [out, depth]: float32 [BLOCK_M, BLOCK_N]
+    (STEP as in swiglu_tile_w4i)."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     tl.assume(depth >= 256)  # as in swiglu_tile_w4i
-    for k0 in range(0, depth, 256):
-        acc = _block(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
-                     BLOCK_N, DOT_F32, PTX)
+    for k0 in range(0, depth, STEP):
+        acc = _step(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
+                    BLOCK_N, DOT_F32, PTX, STEP)
     return tl.trans(acc)

@@ -35,6 +35,9 @@ INT4_INTERLEAVED_TILES = (64, 64)
 # Their pipeline stages at block_m >= 64 (a tree verify's thousands of rows): 2 ran 1.44x faster than
 # 3 at 2080 rows (results/moe_paths-kimi-k2.6-int4-interleaved-2080-nvidia-h100.md); fewer rows keep NUM_STAGES.
 INT4_INTERLEAVED_STAGES_MANY = 2
+# Columns an interleaved tile's K step multiplies: 256 (a whole interleaved block) or 128 (half of
+# one: half the unpacked operand live a step, for more CTAs an SM at many rows; docs/notes/int4.md).
+INT4_INTERLEAVED_STEP = 256
 # Whether the pairs tiles load their group scales two to an int32 word where they can (scale_pairs):
 # False loads one per word, a load the pipeliner cannot copy ahead (int4_tiles.py).
 INT4_SCALE_PAIRS = True

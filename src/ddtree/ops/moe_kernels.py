@@ -144,13 +144,14 @@ def gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
     W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
-    UNPACK: tl.constexpr = "word", SCALE_PAIRS: tl.constexpr = False,
+    UNPACK: tl.constexpr = "word", SCALE_PAIRS: tl.constexpr = False, STEP: tl.constexpr = 256,
 ):
     """h[row] = silu(x[t] @ Wg) * (x[t] @ Wu) per routed pair (row p) and per shared (s, t).
     W4: w_ptr is the packed int32 [E, 2 * inter, hidden / 8] (stride_we per expert, stride_wk per
     row), scale_ptr its scales (stride_se, stride_sn); EVEN_K: hidden and inter are multiples of BLOCK_K;
     UNPACK and SCALE_PAIRS: how the tiles unpack and load their scales (int4_tiles.int4_tile), or
-    UNPACK "interleaved" / "interleaved_plain": weights in that order (int4_interleaved.py, no BLOCK_K)."""
+    UNPACK "interleaved" / "interleaved_plain": weights in that order (int4_interleaved.py: no BLOCK_K,
+    STEP columns a K step)."""
     wait_for_producers(PDL)
     pid_m = tl.program_id(0)  # fastest: the blocks of one expert share a weight tile in L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,7 +167,7 @@ def gate_up_kernel(
                 e = expert.to(tl.int64)
                 h = swiglu_tile_w4i(x_ptr + token * stride_xt, row_ok, w_ptr + e * stride_we, scale_ptr + e * stride_se,
                                     offs_n, col_ok, inter, hidden, stride_wk, stride_sn, BLOCK_M, BLOCK_N, DOT_F32,
-                                    UNPACK == "interleaved")
+                                    UNPACK == "interleaved", STEP)
             elif W4:
                 e = expert.to(tl.int64)
                 h = _swiglu_tile_w4(x_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, inter, row_ok,
@@ -192,7 +193,7 @@ def down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr,
     W4: tl.constexpr = False, GROUP: tl.constexpr = 32, EVEN_K: tl.constexpr = False,
-    UNPACK: tl.constexpr = "word", SCALE_PAIRS: tl.constexpr = False,
+    UNPACK: tl.constexpr = "word", SCALE_PAIRS: tl.constexpr = False, STEP: tl.constexpr = 256,
 ):
     """y[row] = weight * (h[row] @ Wd), float32: the router's weight per routed pair, 1 for shared.
     W4: w_ptr is the packed int32 [E, hidden, inter / 8], scale_ptr its scales (as gate_up_kernel)."""
@@ -211,7 +212,7 @@ def down_kernel(
                 e = expert.to(tl.int64)
                 acc = matmul_tile_w4i(h_ptr + row * stride_hp, row_ok, w_ptr + e * stride_we, scale_ptr + e * stride_se,
                                       offs_n, col_ok, inter, stride_wk, stride_sn, BLOCK_M, BLOCK_N, DOT_F32,
-                                      UNPACK == "interleaved")
+                                      UNPACK == "interleaved", STEP)
             elif W4:
                 e = expert.to(tl.int64)
                 acc = _matmul_tile_w4(h_ptrs, w_ptr + e * stride_we, scale_ptr + e * stride_se, offs_n, row_ok, col_ok,

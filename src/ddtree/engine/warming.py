@@ -85,7 +85,11 @@ def _run_stand_ins(engine, prompts: list[list[int]], params: SamplingParams, mod
         for prompt in prompts:  # ids no user request can hold
             ids.append(engine.add_request(prompt, params, mode=mode, budget=1 if budget is None else budget,
                                           request_id=f"ddtree-stand-in-{uuid.uuid4().hex}"))
-        for _ in range(STEPS):
+        engine.step()  # admit and prefill them all, launch the first round
+        if engine.num_running != len(prompts):  # a smaller batch would warm another bucket
+            raise RuntimeError(f"only {engine.num_running} of {len(prompts)} stand-in requests were admitted at "
+                               f"once (num_pages={engine.blocks.num_pages}) to warm batch bucket {len(prompts)}")
+        for _ in range(STEPS - 1):
             engine.step()
     finally:
         for request_id in ids:

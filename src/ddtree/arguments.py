@@ -104,7 +104,9 @@ def budget(text: str):
 
 def warm_modes(text: str) -> list[tuple[str, int | str | None]]:
     """A --warm-modes value as (mode, budget) pairs: "ar", "chain", "ddtree:N" or "ddtree:auto",
-    comma separated, repeats dropped."""
+    comma separated, repeats dropped; "none": no pair (nothing warmed)."""
+    if text.strip() == "none":
+        return []
     modes = []
     for entry in (e.strip() for e in text.split(",")):
         mode, _, value = entry.partition(":")
@@ -113,7 +115,8 @@ def warm_modes(text: str) -> list[tuple[str, int | str | None]]:
         elif mode == "ddtree" and (value == "auto" or (value.isdigit() and int(value) > 0)):
             pair = (mode, value if value == "auto" else int(value))
         else:
-            raise argparse.ArgumentTypeError(f"{entry!r} is none of ar, chain, ddtree:auto, ddtree:N (N > 0)")
+            raise argparse.ArgumentTypeError(f"{entry!r} is none of ar, chain, ddtree:auto, ddtree:N (N > 0), or "
+                                             "'none' alone")
         if pair not in modes:
             modes.append(pair)
     return modes
@@ -197,7 +200,8 @@ def check_before_loading(args) -> str | None:
         return f"--budget {budget_} is above --max-budget {args.max_budget} (raise --max-budget to allow it)"
     for mode, value in getattr(args, "warm_modes", None) or ():
         if mode != "ar" and args.target is not None and args.drafter is None:
-            return f"--warm-modes {mode}: needs --drafter DIR (or warm ar only)"
+            name = mode if value is None else f"{mode}:{value}"
+            return f"--warm-modes {name}: needs --drafter DIR (or warm ar only)"
         if isinstance(value, int) and value > args.max_budget:
             return f"--warm-modes ddtree:{value} is above --max-budget {args.max_budget}"
     return None

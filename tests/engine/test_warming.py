@@ -2,6 +2,7 @@
 no request of those modes runs an eager round (a compile and a capture on the request path)."""
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from .pairs import make_pair, prompts  # noqa: E402
 def test_warm_modes_parse_each_mode_once_and_name_a_bad_entry():
     assert warm_modes("ar,chain,ddtree:16,ddtree:auto,ar") == [("ar", None), ("chain", None), ("ddtree", 16),
                                                                 ("ddtree", "auto")]
-    for bad in ("ddtree", "ddtree:0", "ar:4", "tree", "chain:auto", ""):
+    assert warm_modes("none") == []
+    for bad in ("ddtree", "ddtree:0", "ar:4", "tree", "chain:auto", "", "ar,none"):
         with pytest.raises(argparse.ArgumentTypeError, match="none of ar, chain, ddtree:auto, ddtree:N"):
             warm_modes(bad)
 
@@ -57,6 +59,38 @@ def test_a_cpu_engine_warms_nothing_but_checks_the_modes(tmp_path):
     alone = Engine.from_pretrained(target_dir, None, device="cpu")
     with pytest.raises(ValueError, match="needs a drafter"):
         capture_mode_graphs(alone, [("chain", None)])
+
+
+def test_stand_ins_run_every_bucket_and_leave_nothing_behind(tmp_path):
+    """The warm-up's stand-ins on this CPU engine (its graph counts stubbed, so that it runs as a
+    graphed engine's would, eagerly): every (mode, bucket, sampling) shape runs full batches of
+    stand-ins, and afterwards no request, page or lesson of the sizer's is left."""
+    import pickle
+
+    from ddtree.engine.costs import RoundCosts
+
+    target_dir, drafter_dir, _ = make_pair(tmp_path)
+    load = dict(device="cpu", max_batch=2, max_budget=2, stop_token_ids=(), kept_costs="off")
+    probe = Engine.from_pretrained(target_dir, drafter_dir, **load)
+    table = RoundCosts(probe.signature, {b: {s: 1e-3 * (1 + b / 8) * (1 + s / 16) for s in probe.sizer.sizes}
+                                         for b in (1, 2)})
+    engine = Engine.from_pretrained(target_dir, drafter_dir, round_costs=table, **load)
+    engine.graphs = SimpleNamespace(eager_rounds=0, captures=0, warm_buckets=set())
+    batches, launch = [], engine.worker.round
+
+    def recorded(table, plan, timer):
+        batches.append((plan.bucket, plan.budget, plan.any_sampled, plan.any_filtered))
+        return launch(table, plan, timer)
+
+    engine.worker.round = recorded
+    sizer_before = pickle.dumps(engine.sizer.state)
+    assert capture_mode_graphs(engine, [("ar", None), ("ddtree", 2), ("ddtree", "auto")]) == [1, 2]
+    flags = [(False, False), (True, False), (True, True)]
+    fixed = {(b, budget, *f) for b in (1, 2) for budget in (0, 2) for f in flags}
+    auto = {(b, size, *f) for b in (1, 2) for size in engine.sizer.sizes for f in flags[1:]}
+    assert set(batches) == fixed | auto
+    assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_pages
+    assert pickle.dumps(engine.sizer.state) == sizer_before and engine.sizer.forced is None
 
 
 @pytest.mark.cuda

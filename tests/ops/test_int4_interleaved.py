@@ -71,7 +71,23 @@ def test_interleaved_experts_match_the_float64_loop(case, block_m, num_shared, k
 def test_half_block_steps_match_the_float64_loop(case, block_m, kernel_device, monkeypatch):
     """INT4_INTERLEAVED_STEP 128: each K step multiplies half an interleaved block (its 16 words and 4
     scales); the same sums as the float64 loop, with a shared expert beside the routed ones."""
+    import ddtree.ops.moe as moe
+
     monkeypatch.setattr(moe_int4, "INT4_INTERLEAVED_STEP", 128)
+    steps = []
+
+    class Recording:  # the STEP each launch compiles with
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                steps.append((kwargs["UNPACK"], kwargs["STEP"]))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("gate_up_kernel", "down_kernel"):
+        monkeypatch.setattr(moe, name, Recording(getattr(moe, name)))
     x, gate_up, down, weights, ids = int4_experts(case, torch.bfloat16, kernel_device, group=32)
     shared = make_shared(case, 1, torch.bfloat16, kernel_device)
     ws = Workspace.empty(case.tokens, case.top_k, case.experts, case.hidden, case.inter, torch.bfloat16,
@@ -82,6 +98,7 @@ def test_half_block_steps_match_the_float64_loop(case, block_m, kernel_device, m
     got = fused_moe(x, interleave_int4(gate_up), interleave_int4(down), weights, ids, shared=shared, workspace=ws,
                     block_m=block_m)
     assert not got.isnan().any()
+    assert steps == [("interleaved_plain", 128)] * 2, steps  # gate_up and down, the shared expert riding along
     cpu = lambda t: t.cpu()  # noqa: E731
     want = moe_reference(cpu(x), cpu(dense(gate_up, x.dtype)), cpu(dense(down, x.dtype)), cpu(weights), cpu(ids),
                          type(shared)(*(cpu(t) for t in (shared.gate, shared.up, shared.down))))

@@ -110,25 +110,29 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
     return table
 
 
-def capture_round_graphs(engine, buckets: list[int], *, warmup: int = 3, params: SamplingParams | None = None) -> None:
+def capture_round_graphs(engine, buckets: list[int], *, warmup: int = 3,
+                         params: SamplingParams | None = None) -> list[int]:
     """Capture the CUDA graphs of budget auto's rounds at each bucket in `buckets` (plain steps
     with and without their rows set aside, every tree size with and without an append), as
     measure_round_costs does for the buckets it times: for buckets whose costs come from a kept
     or given table. Stand-in requests, as there, greedy unless `params` (its sampling settings;
-    its max_new_tokens is replaced); buckets the KV cache cannot fill are left out."""
+    its length and stops are replaced); returns the buckets captured (those the KV cache can
+    fill)."""
     if not buckets:
-        return
+        return []
     engine.drain()
     prefix, new_tokens, fit = stand_in_geometry(engine, None, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + 1)
     buckets = [b for b in buckets if b <= fit]
     start, gen, vocab = time.perf_counter(), torch.Generator().manual_seed(0), engine.target.cfg.vocab_size
-    params = dataclasses.replace(params or SamplingParams(ignore_eos=True, seed=0), max_new_tokens=new_tokens)
+    params = dataclasses.replace(params or SamplingParams(seed=0), max_new_tokens=new_tokens, ignore_eos=True,
+                                 stop=(), stop_token_ids=())  # every stand-in runs every step
     for bucket in buckets:
         for size in engine.sizer.sizes:
             prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
             _time_steps(engine, prompts, params, size, warmup, 1)
     log.info("captured the round graphs of batch buckets %s x tree sizes %s in %.1f s", buckets,
              list(engine.sizer.sizes), time.perf_counter() - start)
+    return buckets
 
 
 def stand_in_geometry(engine, prefix: int | None, steps: int, nodes: int | None = None) -> tuple[int, int, int]:

@@ -59,6 +59,10 @@ def capture_mode_graphs(engine, modes: list[tuple[str, int | str | None]], *, pr
     buckets = [b for b in buckets if b <= fit]
     fixed = [pair for pair in modes if pair[1] != "auto"]
     auto = any(pair[1] == "auto" for pair in modes) and engine.sizer is not None
+    if auto and engine.sizer.failure is not None:  # its rounds take the smallest tree, greedy shapes uncaptured
+        log.warning("warming: budget auto has no round costs (%s): its rounds capture on the request path",
+                    engine.sizer.failure)
+        auto = False
     from tqdm import tqdm
 
     bar = tqdm(total=len(buckets) * len(FLAG_SETTINGS) * (len(fixed) + auto), desc="capturing round graphs",
@@ -72,9 +76,10 @@ def capture_mode_graphs(engine, modes: list[tuple[str, int | str | None]], *, pr
                 prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
                 _run_stand_ins(engine, prompts, params, mode, budget)
                 bar.update(1)
-            if auto and temperature > 0:  # greedy: the measurement's
-                capture_round_graphs(engine, [bucket], params=params)
-            bar.update(int(auto))
+            if auto and temperature > 0 and not capture_round_graphs(engine, [bucket], params=params):
+                log.warning("warming: budget auto's stand-ins at batch bucket %d do not fit the KV cache: its "
+                            "sampled rounds there capture on the request path", bucket)
+            bar.update(int(auto))  # greedy: the measurement's
     bar.close()
     return buckets
 

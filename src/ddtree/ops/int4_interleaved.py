@@ -97,6 +97,7 @@ def _half(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride
 def _step(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
           BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr, STEP: tl.constexpr):
     """One K step of STEP columns from k0: a whole 256-column block, or half of one (128)."""
+    tl.static_assert(STEP == 128 or STEP == 256, "interleaved INT4 tiles step 128 or 256 columns")
     if STEP == 128:
         acc = _half(acc, a_rows, row_ok, packed_ptr, scale_ptr, offs_n, col_ok, k0, stride_pn, stride_sn,
                     BLOCK_N, DOT_F32, PTX)

@@ -284,7 +284,7 @@ def _launch_dot(x, w_gate_up, w_down, weights, block_expert, ws: Workspace, shar
     flags = dict(**dot_flags(x.dtype), DIRECT=direct, W4=int4, GROUP=w_gate_up.group_size if int4 else 32,
                  EVEN_K=int4 and hidden % block_k == 0 and inter % block_k == 0, UNPACK=unpack,
                  SCALE_PAIRS=int4 and moe_int4.scale_pairs(unpack, w_gate_up, w_down, block_k),
-                 STEP=moe_int4.INT4_INTERLEAVED_STEP,
+                 STEP=moe_int4.INT4_INTERLEAVED_STEP if unpack.startswith("interleaved") else 256,
                  **launch_flags(x.device, pdl))
     many_interleaved = int4 and w_gate_up.interleaved and block_m >= 64
     stages = moe_int4.INT4_INTERLEAVED_STAGES_MANY if many_interleaved else NUM_STAGES

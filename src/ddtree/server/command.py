@@ -46,8 +46,9 @@ def add_serve_command(commands) -> argparse.ArgumentParser:
     p.add_argument("--fresh-costs", action="store_true", help="measure the round costs again, not the kept table")
     p.add_argument("--warm-modes", type=warm_modes, default=None,
                    help="comma-separated modes whose round graphs are captured at start-up, at every batch bucket "
-                        "and sampling setting (ar, chain, ddtree:auto, ddtree:N); a request of another fixed budget "
-                        "captures on its first rounds (default: ar, chain and ddtree at --budget)")
+                        "and sampling setting (ar, chain, ddtree:auto, ddtree:N; none: nothing); a request of another "
+                        "fixed budget captures on its first rounds (default: ar, and with a drafter chain and ddtree "
+                        "at --budget)")
     p.add_argument("--max-queue", type=_positive_int, default=256,
                    help="requests waiting for a batch slot before new ones get 503 + Retry-After")
     p.add_argument("--max-body-bytes", type=_positive_int, default=2 << 20, help="larger request bodies get 413")
@@ -155,7 +156,9 @@ def load_for_serving(args):
         measure_for_auto(engine)
     from ..engine.warming import capture_mode_graphs, default_warm_modes
 
-    modes = args.warm_modes or default_warm_modes(args.budget, engine.sizer is not None)
+    modes = args.warm_modes
+    if modes is None:
+        modes = default_warm_modes(args.budget, engine.sizer is not None)
     start = time.perf_counter()
     buckets = capture_mode_graphs(engine, modes, progress=True)
     if buckets:

@@ -153,6 +153,8 @@ class EngineCore(TurnReceiver):
         the loop passed the interpreter lock back and forth every turn); else from a thread."""
         if self.api_servers > 1 and self.metrics is not None:  # every process reports every process's requests
             self.metrics.forward = lambda endpoint, status: self._send(("count", endpoint, status))
+        if self.metrics is not None:  # the ready snapshot's gauges from the first scrape, not the first turn
+            self.metrics.publish(self.snapshot)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:

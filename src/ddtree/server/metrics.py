@@ -91,8 +91,9 @@ class Metrics:
                   ("pages_free", "ddtree_kv_pages_free", "KV cache pages on the free list"),
                   ("pages_promised", "ddtree_kv_pages_promised", "KV cache pages promised to admitted requests "
                    "(their worst case; admission is decided by this)"),
-                  ("eager_rounds", "ddtree_eager_rounds", "Rounds run without a CUDA graph since start-up (a new "
-                   "round shape's first round, which compiles; 0 on the CPU)"),
+                  ("eager_rounds", "ddtree_eager_rounds", "Rounds of a graphed engine run without their CUDA graph "
+                   "since start-up, start-up's warming included (a new round shape's first round, which compiles; "
+                   "0 where rounds have no graphs)"),
                   ("round_graphs", "ddtree_round_graphs", "Round CUDA graphs captured since start-up (start-up's "
                    "warming included: growth while serving is capture on the request path)")]
         for key, name, doc in gauges:

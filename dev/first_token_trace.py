@@ -1,6 +1,8 @@
 """Where a served request's first token spends its time: `ddtree serve`'s two processes (the demo
 pair, the engine core built as serve builds it) with marks at each hop, and one client process
-sending requests one at a time. Prints, per hop, the median time since the client sent.
+sending requests one at a time. Prints, per hop, the median time since the client sent and the
+server's first request's; --profile adds cProfile of the core's first step for the first request
+and for the first measured one.
 
     python dev/first_token_trace.py --device cuda --requests 30 --mode ar
 
@@ -76,6 +78,41 @@ def wrap(marks: Marks, cls, name: str, label: str, first_only: bool = False, cou
     setattr(cls, name, traced)
 
 
+PROFILED = (0, 3)  # the server's first request and the first measured one
+
+
+def profile_first_steps(marks: Marks, scheduler_cls) -> None:
+    """cProfile of the scheduler's first step for each request in PROFILED (its admission, prefill
+    and first round), dumped beside the marks as <LOG>.step<i>.prof."""
+    import cProfile
+
+    inner, done = scheduler_cls._step, set()
+
+    def profiled(self, *args, **kwargs):
+        index = marks.count - 1
+        if index not in PROFILED or index in done:
+            return inner(self, *args, **kwargs)
+        done.add(index)
+        profile = cProfile.Profile()
+        try:
+            return profile.runcall(inner, self, *args, **kwargs)
+        finally:
+            profile.dump_stats(f"{LOG}.step{index}.prof")
+
+    scheduler_cls._step = profiled
+
+
+def print_profiles() -> None:
+    import pstats
+
+    for index in PROFILED:
+        path = f"{LOG}.step{index}.prof"
+        if os.path.exists(path):
+            stats = pstats.Stats(path)
+            print(f"\nthe core's first step for request {index}: {stats.total_tt * 1e3:.1f} ms (cProfile), by own time")
+            stats.sort_stats("tottime").print_stats(14)
+
+
 def traced_core_build(args):
     """Runs in the engine-core process: serve's own build, then the core's hops marked."""
     from ddtree.server.command import load_for_serving
@@ -84,6 +121,8 @@ def traced_core_build(args):
 
     marks = Marks()
     wrap(marks, Scheduler, "_accept", "core_accept", counts=True)
+    if os.environ.get("DDTREE_TRACE_PROFILE"):
+        profile_first_steps(marks, Scheduler)
     wrap(marks, Scheduler, "_step", "core_step", first_only=True)
     send_turn = Frontends.send_turn
 
@@ -101,7 +140,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--mode", choices=["ar", "ddtree"], default="ar")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the core's first step of the first request and of the first measured one")
     args = parser.parse_args()
+    if args.profile:
+        os.environ["DDTREE_TRACE_PROFILE"] = "1"  # the core process inherits it
 
     from serving_host_cost import serve
 
@@ -134,6 +177,8 @@ def main() -> None:
         server.should_exit = True
         core.stop()
     report(args.requests)
+    if args.profile:
+        print_profiles()
 
 
 def report(requests: int) -> None:
@@ -143,10 +188,13 @@ def report(requests: int) -> None:
         by_request.setdefault(int(index), {}).setdefault(name, int(t))
     rows = [marks for i, marks in by_request.items() if i >= 3 and "client_send" in marks]
     names = sorted({n for r in rows for n in r}, key=lambda n: statistics.median(r[n] - r["client_send"] for r in rows if n in r))
-    print(f"{len(rows)} requests; median ms after the client sent:")
+    first = by_request.get(0, {})  # the server's first request: what a fresh server adds to it
+    print(f"{len(rows)} requests after 3 unmeasured; median ms after the client sent (and the server's first request's)")
     for name in names:
         got = [(r[name] - r["client_send"]) / 1e6 for r in rows if name in r]
-        print(f"  {name:22s} {statistics.median(got):7.3f}   (p90 {sorted(got)[int(0.9 * (len(got) - 1))]:.3f}, n {len(got)})")
+        alone = f"{(first[name] - first['client_send']) / 1e6:8.3f}" if name in first and "client_send" in first else "       -"
+        print(f"  {name:22s} {statistics.median(got):7.3f}   (p90 {sorted(got)[int(0.9 * (len(got) - 1))]:.3f}, n {len(got)})"
+              f"   first {alone}")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ for part in "$@"; do
     trace) # where a served first token's time goes at c = 1 (issue 36's TTFT bar)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout 120 python3 dev/first_token_trace.py --device cuda --requests 30 \
-        --mode "${TRACE_MODE:-ar}" 2>&1 | tail -16 | tee "$out/first_token_trace.log" ;;
+        --mode "${TRACE_MODE:-ar}" ${TRACE_ARGS:-} 2>&1 | tail -"${TRACE_LINES:-16}" | tee "$out/first_token_trace.log" ;;
     fresh) # issue 22's fresh-server bar: a new server's first pass over the cells against its second
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${FRESH_S:-360}" python3 benchmarks/serve_fresh.py ${FRESH_ARGS:-} \

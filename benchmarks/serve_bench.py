@@ -78,7 +78,8 @@ def percentile(values: list[float], q: float) -> float | None:
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     """Send one streamed completion; returns its timings (seconds), token count and usage, or an error."""
     sent = time.perf_counter()
-    record = {"ttft": None, "token_gaps": [], "chunk_gaps": [], "tokens": 0, "usage": None, "error": None}
+    record = {"ttft": None, "token_gaps": [], "chunk_gaps": [], "tokens": 0, "usage": None, "error": None,
+              "sent": sent}
     last, seen = None, 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:

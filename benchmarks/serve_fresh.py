@@ -9,7 +9,8 @@ One `ddtree serve` on the demo pair (--serve-args passed on), timed from its sta
 prompts, EOS ignored) twice over: the first pass is the server's first traffic, no warm-up of
 ours; the second finds every shape the first ran. Per cell the TTFT p50 / p99 of both passes
 and the server's ddtree_eager_rounds / ddtree_round_graphs growth over the cell (/metrics: rounds
-run without a graph, graphs captured; 0 on the CPU). The JSON's `bars`: fresh_over_warm_ttft_p99_max
+run without a graph, graphs captured; 0 on the CPU), and the TTFT of the cell's first-sent request
+and its largest (a tail of one request, the server's first, or of many). The JSON's `bars`: fresh_over_warm_ttft_p99_max
 (the largest ratio over the cells; the bar is 3) and eager_rounds_first_pass.
 """
 
@@ -65,6 +66,11 @@ async def one_pass(url: str, args, prompts: list[str], modes, model: str) -> dic
                 after = graph_counts(url)
                 cell = summarize(mode, budget, c, records, wall)
                 cell.update({name.removeprefix("ddtree_"): after[name] - before[name] for name in COUNTS})
+                timed = [r for r in records if r["error"] is None and r["ttft"] is not None]
+                if timed:  # is the tail one request (the server's first) or many?
+                    first = min(timed, key=lambda r: r["sent"])
+                    cell.update(ttft_first_sent_ms=round(first["ttft"] * 1e3, 2),
+                                ttft_max_ms=round(max(r["ttft"] for r in timed) * 1e3, 2))
                 out[(label(mode, budget), c)] = cell
                 print(f"{label(mode, budget)} c={c}: TTFT p99 {cell['ttft_p99_ms']} ms, eager rounds "
                       f"{cell['eager_rounds']:.0f}, errors {cell['errors']}", flush=True)
@@ -128,10 +134,13 @@ def main() -> None:
              + "\n".join(f"- {k}: {'-' if v is None else f'{v:.3f}' if isinstance(v, float) else v}"
                          for k, v in bars.items()) + "\n\n"
              + markdown_table(["mode", "c", "TTFT p50 ms: fresh / warm", "TTFT p99 ms: fresh / warm", "p99 fresh / warm",
+                               "TTFT of the first sent / max ms: fresh; warm",
                                "eager rounds: fresh / warm", "graphs captured: fresh / warm", "errors"],
                               [[r["mode"], r["concurrency"], f"{r['fresh']['ttft_p50_ms']} / {r['warm']['ttft_p50_ms']}",
                                 f"{r['fresh']['ttft_p99_ms']} / {r['warm']['ttft_p99_ms']}",
                                 "-" if r["fresh_over_warm_ttft_p99"] is None else f"{r['fresh_over_warm_ttft_p99']:.2f}",
+                                f"{r['fresh'].get('ttft_first_sent_ms')} / {r['fresh'].get('ttft_max_ms')}; "
+                                f"{r['warm'].get('ttft_first_sent_ms')} / {r['warm'].get('ttft_max_ms')}",
                                 f"{r['fresh']['eager_rounds']:.0f} / {r['warm']['eager_rounds']:.0f}",
                                 f"{r['fresh']['round_graphs']:.0f} / {r['warm']['round_graphs']:.0f}",
                                 r["fresh"]["errors"] + r["warm"]["errors"]] for r in rows]))

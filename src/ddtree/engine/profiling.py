@@ -15,6 +15,7 @@ their slots, pages and statistics are gone when the measurement returns.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import statistics
@@ -152,32 +153,45 @@ def stand_in_geometry(engine, prefix: int | None, steps: int, nodes: int | None 
 def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: int, warmup: int,
                 repeats: int) -> tuple[float, float]:
     """(seconds of a step, tokens a timed step committed on average)."""
-    sizer, ids = engine.sizer, []
+    sizer = engine.sizer
     sizer.forced = size
     try:
-        for p in prompts:  # ids no user request can hold
-            ids.append(engine.add_request(p, params, mode="ddtree", budget="auto",
-                                          request_id=f"ddtree-stand-in-{uuid.uuid4().hex}"))
-        engine.step()  # admit and prefill them all, launch the first round
-        if engine.num_running != len(prompts):
-            raise RuntimeError(f"only {engine.num_running} of {len(prompts)} requests fit in the KV cache "
-                               f"(num_pages={engine.blocks.num_pages}) to measure a batch of {len(prompts)}")
-        times, tokens = [], []
-        last = time.perf_counter()
-        warm = _warm_sizes(size, warmup)
-        for i, forced in enumerate(warm + [size] * repeats):
-            sizer.forced = forced
-            # plain warm-up steps set rows aside (their graphs, the append's); the last ones and the timed ones do not
-            sizer.forced_set_aside = not (size == 0 and i >= len(warm) - warmup)
-            outputs = engine.step()
-            now = time.perf_counter()
-            times.append(now - last)
-            tokens.append(sum(len(o.new_token_ids) for o in outputs))
-            last = now
-        times, tokens = times[-repeats:], tokens[-repeats:]
-        return statistics.median(times), statistics.mean(tokens)
+        with stand_ins(engine, prompts, params, "ddtree", "auto"):
+            times, tokens = [], []
+            last = time.perf_counter()
+            warm = _warm_sizes(size, warmup)
+            for i, forced in enumerate(warm + [size] * repeats):
+                sizer.forced = forced
+                # plain warm-up steps set rows aside (their graphs, the append's); the last ones and the timed ones do not
+                sizer.forced_set_aside = not (size == 0 and i >= len(warm) - warmup)
+                outputs = engine.step()
+                now = time.perf_counter()
+                times.append(now - last)
+                tokens.append(sum(len(o.new_token_ids) for o in outputs))
+                last = now
+            times, tokens = times[-repeats:], tokens[-repeats:]
+            return statistics.median(times), statistics.mean(tokens)
     finally:
         sizer.forced, sizer.forced_set_aside = None, True
+
+
+@contextlib.contextmanager
+def stand_ins(engine, prompts: list[list[int]], params: SamplingParams, mode: str, budget: int | str):
+    """`prompts` as stand-in requests of `mode` and `budget` (ids no user request can hold), all
+    admitted and prefilled by one step that also launches their first round; aborted and the
+    engine drained when the block ends. A RuntimeError if the KV cache cannot admit them at once
+    (fewer would run another batch bucket)."""
+    ids = []
+    try:
+        for p in prompts:
+            ids.append(engine.add_request(p, params, mode=mode, budget=budget,
+                                          request_id=f"ddtree-stand-in-{uuid.uuid4().hex}"))
+        engine.step()
+        if engine.num_running != len(prompts):
+            raise RuntimeError(f"only {engine.num_running} of {len(prompts)} stand-in requests fit in the KV cache "
+                               f"at once (num_pages={engine.blocks.num_pages}) for a batch of {len(prompts)}")
+        yield
+    finally:
         for request_id in ids:
             engine.abort(request_id)
         engine.drain()

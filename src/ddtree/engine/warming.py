@@ -16,12 +16,11 @@ asked for here captures on its first two rounds.
 from __future__ import annotations
 
 import logging
-import uuid
 
 import torch
 
 from .prefill_graphs import FLAG_SETTINGS
-from .profiling import buckets_up_to, capture_round_graphs, stand_in_geometry
+from .profiling import buckets_up_to, capture_round_graphs, stand_in_geometry, stand_ins
 from .sampling import SamplingParams
 
 log = logging.getLogger("ddtree.engine")
@@ -85,18 +84,6 @@ def capture_mode_graphs(engine, modes: list[tuple[str, int | str | None]], *, pr
 
 
 def _run_stand_ins(engine, prompts: list[list[int]], params: SamplingParams, mode: str, budget) -> None:
-    ids = []
-    try:
-        for prompt in prompts:  # ids no user request can hold
-            ids.append(engine.add_request(prompt, params, mode=mode, budget=1 if budget is None else budget,
-                                          request_id=f"ddtree-stand-in-{uuid.uuid4().hex}"))
-        engine.step()  # admit and prefill them all, launch the first round
-        if engine.num_running != len(prompts):  # a smaller batch would warm another bucket
-            raise RuntimeError(f"only {engine.num_running} of {len(prompts)} stand-in requests were admitted at "
-                               f"once (num_pages={engine.blocks.num_pages}) to warm batch bucket {len(prompts)}")
-        for _ in range(STEPS - 1):
+    with stand_ins(engine, prompts, params, mode, 1 if budget is None else budget):
+        for _ in range(STEPS - 1):  # after the step that admitted them
             engine.step()
-    finally:
-        for request_id in ids:
-            engine.abort(request_id)
-        engine.drain()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for issue 21: the engine's CUDA tests and benchmarks/auto_budget.py, by part.
-#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles int4step tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32 trace fresh
+#   dev/auto_budget_device.sh OUT suite ops int4gi int4gibase int4split int4moe int4vs int4tiles int4step tests tiny demo continuous moonlight kimi steps intervals admission one sync servevsengine soak soak32 trace fresh decode
 # suite: every CUDA-marked test with its duration (SUITE_S, TEST_S, WORKERS); ops: the MoE kernels' tests
 # (INT4 included) natively on the GPU
 # The results name their commit: run `python dev/stamp.py` here and carry .provenance.json (or pass
@@ -114,6 +114,11 @@ for part in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout 120 python3 dev/first_token_trace.py --device cuda --requests 30 \
         --mode "${TRACE_MODE:-ar}" ${TRACE_ARGS:-} 2>&1 | tail -"${TRACE_LINES:-16}" | tee "$out/first_token_trace.log" ;;
+    decode) # where a served token's time goes at c = 1 in decode (issue 36's ar gap): engine at max_batch 1 / 64,
+            # the core's turns marked, httpx and raw clients, py-spy of the core (its wheel in .whl/)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+        PY_SPY=/tmp/site/bin/py-spy PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${DECODE_S:-300}" python3 dev/decode_trace.py \
+        --device cuda ${DECODE_ARGS:---py-spy 4} 2>&1 | grep -v "^ddtree serve" | tee "$out/decode_trace.log" | tail -60 ;;
     fresh) # issue 22's fresh-server bar: a new server's first pass over the cells against its second
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
         PYTHONPATH=/tmp/site:$PYTHONPATH timeout "${FRESH_S:-360}" python3 benchmarks/serve_fresh.py ${FRESH_ARGS:-} \

@@ -29,10 +29,28 @@ sys.path.insert(0, str(ROOT / "dev"))
 LOG = os.environ.setdefault("DDTREE_TRACE_LOG", os.path.join(tempfile.mkdtemp(prefix="ddtree-trace-"), "marks"))
 
 CLIENT = r"""
-import sys, time, httpx
-log, url, n, mode = open(sys.argv[1], "a", buffering=1), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+import json, socket, sys, time, httpx
+log, url, n, mode, kind = open(sys.argv[1], "a", buffering=1), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 body = dict(model="ddtree-demo", prompt="def fib(n):", max_tokens=8, temperature=0.0, stream=True, ignore_eos=True,
             ddtree={"mode": mode} if mode == "ar" else {"mode": "ddtree", "budget": 16})
+if kind == "raw":  # the request's bytes built once, one kept-alive socket: the client's own cost near zero
+    host, port = url.split("//")[1].split(":")
+    data = json.dumps(body).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(data)}\r\n\r\n").encode() + data
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for i in range(n + 3):  # the first three warm up
+        time.sleep(0.02)
+        log.write(f"{time.perf_counter_ns()} {i} client_send\n")
+        sock.sendall(request)
+        seen = b""
+        while b"data:" not in seen:
+            seen += sock.recv(65536)
+        log.write(f"{time.perf_counter_ns()} {i} client_first_event\n")
+        while not seen.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            seen += sock.recv(65536)
+    sys.exit()
 with httpx.Client(timeout=60) as client:
     for i in range(n + 3):  # the first three warm up
         time.sleep(0.02)
@@ -140,6 +158,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--mode", choices=["ar", "ddtree"], default="ar")
+    parser.add_argument("--client", choices=["httpx", "raw"], default="httpx",
+                        help="httpx (as serve_bench) or raw: the request's bytes on one socket, no client library")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the core's first step of the first request and of the first measured one")
     args = parser.parse_args()
@@ -167,12 +187,30 @@ def main() -> None:
         return await original_generate(*a, **k)
 
     app_module.generate = traced_generate
+    read_json = app_module.read_json
+
+    async def traced_read_json(*a, **k):
+        marks.mark("http_body_in", marks.count)
+        try:
+            return await read_json(*a, **k)
+        finally:
+            marks.mark("http_body_out", marks.count)
+
+    app_module.read_json = traced_read_json
     core = EngineCore(functools.partial(traced_core_build, serve_args), serving_facts, max_queue=64)
     core.launch()
-    url, server = serve(create_app(core, ServerConfig(model_name="ddtree-demo", default_mode="ar")))
+    app = create_app(core, ServerConfig(model_name="ddtree-demo", default_mode="ar"))
+
+    async def entry(scope, receive, send):  # uvicorn hands the request over: the client's and the parse's time before
+        if scope["type"] == "http" and scope["path"] == "/v1/completions":
+            marks.mark("http_asgi_in", marks.count)
+        return await app(scope, receive, send)
+
+    url, server = serve(entry)
     try:
         open(LOG, "w").close()
-        subprocess.run([sys.executable, "-c", CLIENT, LOG, url, str(args.requests), args.mode], check=True)
+        subprocess.run([sys.executable, "-c", CLIENT, LOG, url, str(args.requests), args.mode, args.client],
+                       check=True)
     finally:
         server.should_exit = True
         core.stop()

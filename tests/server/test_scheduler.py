@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 from ddtree.server.jobs import Failed, Job
@@ -121,3 +122,46 @@ def test_a_lost_rank_fails_every_request_and_ends_the_loop(pairs, monkeypatch):
             asyncio.run(submit_and_wait())
     finally:
         scheduler.stop(5)
+
+
+def test_an_engine_core_scheduler_sends_accepted_before_the_step_runs(pairs):
+    """With on_turn (an engine core), a drain that accepted requests is followed by on_turn before
+    the step, so their Accepted reach the HTTP process while the prefill runs (it starts each
+    response meanwhile); the chunks follow in the turns after."""
+    from ddtree import Engine
+    from ddtree.server.core_process import _Outbox, _RecordedMetrics
+    from ddtree.server.jobs import Accepted
+
+    from .conftest import ENGINE_ARGS
+
+    engine = Engine.from_pretrained(pairs["target_chat"], pairs["drafter"], max_batch=2, **ENGINE_ARGS)
+    outbox, sent, seen_at_step = _Outbox(), [], []
+
+    def flush(_snapshot):
+        sent.append(outbox.take()[0])
+
+    step = engine.step
+
+    def recorded_step():
+        seen_at_step.append([event for turn in sent for event in turn])
+        return step()
+
+    engine.step = recorded_step
+    scheduler = Scheduler(engine, _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle, idle_wait_s=0.01,
+                          detokenize=False)
+    scheduler.start()
+    try:
+        for i in range(2):
+            scheduler.submit(Job(f"cmpl-{i}", [5, 6, 7], None, 3, {"temperature": 0.0}, "ar", 1))
+        deadline = time.monotonic() + 20
+        while sum(item[2] for turn in sent for item in turn if len(item) == 6) < 2 * 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.stop(5)
+    first = seen_at_step[0]  # what had gone out when the first step began
+    assert first and all(len(item) == 2 and type(item[1]) is Accepted for item in first), first
+    assert {item[0] for item in first} <= {"cmpl-0", "cmpl-1"}
+    events = [item for turn in sent for item in turn]
+    for rid in ("cmpl-0", "cmpl-1"):  # each request's Accepted before any of its chunks, its 3 tokens all sent
+        mine = [item for item in events if item[0] == rid]
+        assert type(mine[0][1]) is Accepted and sum(item[2] for item in mine[1:]) == 3, mine

@@ -60,7 +60,8 @@ class Scheduler:
         """engine: an Engine used from this scheduler's thread only; max_queue: requests accepted
         but not yet in the batch (inbox + the engine's waiting queue) before submit refuses;
         limits: prompt length and request deadline (the rest is the HTTP side's). In an engine-core
-        process (engine_core.py): on_turn(snapshot) ends every turn of the loop, handle_of(id)
+        process (engine_core.py): on_turn(snapshot) ends every turn of the loop (and follows a
+        drain that accepted requests, before the step: their Accepted go out first), handle_of(id)
         makes the handles that submit returns, and detokenize=False leaves the text and the stop
         strings to the HTTP process (chunks carry token ids; server/outputs.py)."""
         self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
@@ -140,7 +141,9 @@ class Scheduler:
         torch.set_num_threads(torch.get_num_threads())
         while not self._stop.is_set():
             try:
-                self._drain(block=not self.engine.has_unfinished())
+                accepted = self._drain(block=not self.engine.has_unfinished())
+                if accepted and self.on_turn is not None:  # their Accepted out before the step (an engine
+                    self.on_turn(self.snapshot)  # core): the HTTP side starts each response while it runs
                 if self.engine.has_unfinished() and not self._stop.is_set():
                     self._step()
                 self._expire()
@@ -166,14 +169,18 @@ class Scheduler:
         if self.fatal is not None and self.on_fatal is not None:
             self.on_fatal()
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool) -> bool:
+        """Apply what the inbox holds (waiting up to idle_wait_s for a first item when `block`);
+        returns whether a submission was among it."""
         try:
             item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
+        submitted = False
         while True:
             if item is not None:  # None only wakes the loop (stop)
                 if item[0] == "submit":
+                    submitted = True
                     self._accept(item[1], item[2])
                 elif item[0] == "fail_all":
                     for rid in list(self._live) if item[1] is None else [r for r in item[1] if r in self._live]:
@@ -183,7 +190,7 @@ class Scheduler:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return submitted
 
     def _accept(self, job: Job, handle: Handle) -> None:
         rid = job.request_id

@@ -134,19 +134,21 @@ def py_spy(pid: int, seconds: float) -> subprocess.Popen | None:
         print("py-spy not found: no profile", flush=True)
         return None
     out = LOG + ".spy"
-    return subprocess.Popen([exe, "record", "-p", str(pid), "-d", str(seconds), "-r", "2000", "-f", "raw", "-o", out,
-                             "--nonblocking", "--native"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return subprocess.Popen([exe, "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "2000", "-f", "raw", "-o", out,
+                             "--nonblocking", "--threads"], stdout=open(out + ".log", "w"), stderr=subprocess.STDOUT)
 
 
 def spy_report(top: int = 25) -> None:
     """Own-time leaf frames of the scheduler thread's samples (py-spy raw: collapsed stacks)."""
     path = LOG + ".spy"
     if not os.path.exists(path):
+        if os.path.exists(path + ".log"):
+            print("py-spy wrote no profile:", open(path + ".log").read()[-400:])
         return
     leaves, total = {}, 0
     for line in open(path):
         stack, _, count = line.rstrip().rpartition(" ")
-        if "scheduler.py" not in stack:  # the scheduler thread's stacks pass through Scheduler._run
+        if "Scheduler._run" not in stack:  # the scheduler thread's stacks
             continue
         total += int(count)
         leaf = stack.split(";")[-1].split(":")[0] + ")"  # the function and its file, any line
@@ -207,7 +209,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-batch", type=int, default=64, help="the server's (serve_vs_engine: its largest c)")
-    parser.add_argument("--py-spy", type=float, default=0.0, help="seconds of py-spy on the core (0: none)")
+    parser.add_argument("--py-spy", type=int, default=0, help="seconds of py-spy on the core (0: none)")
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
     if not args.skip_engine:

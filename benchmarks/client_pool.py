@@ -19,14 +19,13 @@ from pathlib import Path
 START_DELAY_S = 0.5  # the client processes' common start, after the tasks reach them
 
 
-def _part(url: str, bodies: list[dict], concurrency: int, start_at: float) -> tuple[list[dict], float, float, float]:
+def _part(url: str, bodies: list[dict], concurrency: int, start_at: float,
+          client_kind: str) -> tuple[list[dict], float, float, float]:
     """One client process's share: (records, its start, its end (time.time), its CPU seconds)."""
-    import httpx
-    from serve_bench import run_cell
+    from serve_bench import open_client, run_cell
 
     async def run():
-        limits = httpx.Limits(max_connections=concurrency + 4)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+        async with open_client(client_kind, concurrency + 4) as client:
             time.sleep(max(0.0, start_at - time.time()))
             cpu = time.process_time()
             start = time.time()
@@ -37,12 +36,13 @@ def _part(url: str, bodies: list[dict], concurrency: int, start_at: float) -> tu
 
 
 class ClientPool:
-    """`processes` client processes (spawned once, reused by every cell); a context manager."""
+    """`processes` client processes (spawned once, reused by every cell), each streaming with the
+    `client` library (serve_bench.CLIENTS); a context manager."""
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, client: str = "aiohttp"):
         if processes < 1:
             raise ValueError(f"client processes must be >= 1, got {processes}")
-        self.processes = processes
+        self.processes, self.client = processes, client
         self._pool = multiprocessing.get_context("spawn").Pool(processes)
 
     def __enter__(self) -> ClientPool:
@@ -58,7 +58,7 @@ class ClientPool:
         seconds over that wall time)."""
         parts = min(self.processes, concurrency)
         start_at = time.time() + START_DELAY_S
-        tasks = [(url, bodies[i::parts], concurrency // parts + (i < concurrency % parts), start_at)
+        tasks = [(url, bodies[i::parts], concurrency // parts + (i < concurrency % parts), start_at, self.client)
                  for i in range(parts)]
         results = self._pool.starmap(_part, tasks)
         wall = max(end for _, _, end, _ in results) - start_at

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import platform
@@ -75,18 +76,70 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """Send one streamed completion; returns its timings (seconds), token count and usage, or an error."""
+CLIENTS = ("aiohttp", "httpx")  # aiohttp, as vLLM's serving benchmark: less of the client's own time in TTFT
+
+
+@contextlib.asynccontextmanager
+async def open_client(kind: str, connections: int, timeout_s: float = 600.0):
+    """An HTTP client session of `kind` (CLIENTS) for `connections` streams at once."""
+    if kind == "aiohttp":
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, connect=30.0),
+                                         connector=aiohttp.TCPConnector(limit=connections)) as session:
+            yield session
+    elif kind == "httpx":
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
+            yield client
+    else:
+        raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {kind!r}")
+
+
+@contextlib.asynccontextmanager
+async def _post(client, url: str, body: dict):
+    """POST `body` as JSON with either client: (status, an async iterator of the response's lines
+    without their line ends, a coroutine function reading the rest as text)."""
+    if isinstance(client, httpx.AsyncClient):
+        async with client.stream("POST", url, json=body) as r:
+            async def text() -> str:
+                return (await r.aread()).decode(errors="replace")
+
+            yield r.status_code, r.aiter_lines(), text
+        return
+
+    async with client.post(url, json=body) as r:
+        async def lines():
+            async for line in r.content:
+                yield line.decode().rstrip("\r\n")
+
+        async def text() -> str:
+            return (await r.read()).decode(errors="replace")
+
+        yield r.status, lines(), text
+
+
+def _client_errors() -> tuple[type, ...]:
+    try:
+        import aiohttp
+    except ImportError:
+        return (httpx.HTTPError,)
+    return (httpx.HTTPError, aiohttp.ClientError)
+
+
+async def one_request(client, url: str, body: dict) -> dict:
+    """Send one streamed completion (client: open_client's aiohttp or httpx session); returns its
+    timings (seconds), token count and usage, or an error."""
     sent = time.perf_counter()
     record = {"ttft": None, "token_gaps": [], "chunk_gaps": [], "tokens": 0, "usage": None, "error": None,
               "sent": sent}
     last, seen = None, 0
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                record["error"] = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+        async with _post(client, f"{url}/v1/completions", body) as (status, lines, text):
+            if status != 200:
+                record["error"] = f"HTTP {status}: {(await text())[:200]}"
                 return record
-            async for line in r.aiter_lines():
+            async for line in lines:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 now = time.perf_counter()
@@ -109,7 +162,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                     record["chunk_gaps"].append(gap)
                     record["token_gaps"] += [gap / max(count, 1)] * max(count, 1)
                 last = now
-    except (httpx.HTTPError, json.JSONDecodeError) as err:
+    except (*_client_errors(), json.JSONDecodeError, asyncio.TimeoutError) as err:
         record["error"] = f"{type(err).__name__}: {err}"
     record["tokens"] = seen
     record["latency"] = time.perf_counter() - sent
@@ -187,13 +240,9 @@ def make_bodies(args, prompts: list[str], mode: str, budget, count: int, model: 
 
 async def bench(args) -> dict:
     prompts = load_prompts(args.prompts)
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    connections = max(args.concurrency) + 4
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        health = (await client.get(f"{args.url}/health")).json()
-        models = (await client.get(f"{args.url}/v1/models")).json()["data"]
-        model = args.model or models[0]["id"]
+    health = httpx.get(f"{args.url}/health", timeout=30).json()
+    model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    async with open_client(args.client, max(args.concurrency) + 4, args.timeout) as client:
         results = []
         for mode, budget in args.modes:
             warm, _ = await run_cell(client, args.url, make_bodies(args, prompts, mode, budget, args.warmup, model, 0),
@@ -212,12 +261,20 @@ async def bench(args) -> dict:
         "gpu": gpu, "server_model": model, "server_device": health.get("device"), "server_dtype": health.get("dtype"),
         "server_max_batch": health.get("max_batch"), "server_num_pages": health.get("num_pages"),
         "server_versions": health.get("versions"), "client_python": platform.python_version(),
-        "client_httpx": httpx.__version__,
+        "client": args.client, "client_version": client_version(args.client),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),
         "command": " ".join([Path(sys.executable).name] + sys.argv),
     }
     return {"environment": environment, "args": vars(args), "results": results}
+
+
+def client_version(kind: str) -> str:
+    if kind == "aiohttp":
+        import aiohttp
+
+        return aiohttp.__version__
+    return httpx.__version__
 
 
 def markdown(payload: dict) -> str:
@@ -255,6 +312,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model id (default: the server's first in /v1/models)")
     parser.add_argument("--gpu-name", default=None, help="GPU name to record (default: the server's /health)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--client", choices=CLIENTS, default="aiohttp",
+                        help="the HTTP client library (aiohttp, as vLLM's benchmark; httpx, as OpenAI's SDK)")
     parser.add_argument("--name", default="serve_bench", help="results file name")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = parser.parse_args()

@@ -11,7 +11,9 @@ First the engine, in this process: per concurrency c an Engine of max_batch c (t
 clients keep c requests in flight). Then, with this process's engines gone, one `ddtree serve
 --max-batch max(c)` on the same device, warmed with a few requests of each mode, and per (mode, c)
 the same prompts from c concurrent streamed clients (benchmarks/serve_bench.py's client, spread over
---client-processes processes so that parsing the events is not the bottleneck: client_pool.py).
+--client-processes processes so that parsing the events is not the bottleneck: client_pool.py), for
+each HTTP library in --clients (aiohttp by default, as vLLM's serving benchmark: its request and
+event parsing cost less of the client's own time than httpx's; the bars are the first library's).
 Both sides' decode tokens/s: the tokens after each request's first over the cell's wall time less
 the clients' mean time to first token summed per client (the time each client waited for its
 requests' first tokens). Each cell, engine and server alike, runs --repeats passes and reports its
@@ -43,7 +45,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, markdown_table, write_results  # noqa: E402
-from serve_bench import load_prompts, make_bodies, parse_modes  # noqa: E402
+from serve_bench import CLIENTS, client_version, load_prompts, make_bodies, parse_modes  # noqa: E402
 from serve_vs_generate import free_port, start_server, stop  # noqa: E402
 from client_pool import ClientPool, ServerCpu  # noqa: E402
 from engine_clients import burst_decode_tokens_per_s, run_clients  # noqa: E402
@@ -104,9 +106,9 @@ def label(mode: str, budget) -> str:
 
 
 def server_cells(args, prompts: list[str], modes, api_servers: int) -> dict:
-    """(mode label, c) -> the cell of a server of `api_servers` HTTP processes: decode tokens/s, TTFT
-    median, errors, and the CPU share of the busiest HTTP process (and of all of them), the engine
-    core and the busiest client process over the cell."""
+    """(client, mode label, c) -> the cell of a server of `api_servers` HTTP processes through each
+    of args.clients: decode tokens/s, TTFT median, errors, and the CPU share of the busiest HTTP
+    process (and of all of them), the engine core and the busiest client process over the cell."""
     import httpx
 
     port = free_port()
@@ -117,20 +119,22 @@ def server_cells(args, prompts: list[str], modes, api_servers: int) -> dict:
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         cpu = ServerCpu(server.pid, server.core_pid, other_http=True)
-        with ClientPool(args.client_processes) as clients:
-            for mode, budget in modes:
-                clients.run(url, make_bodies(client_args, prompts, mode, budget, 4, model, 0), 2)  # warm-up
-                for c in args.concurrency:
-                    cell = cell_prompts(prompts, c, args.requests)
-                    bodies = make_bodies(client_args, cell, mode, budget, len(cell), model, 0)
-                    runs = [_server_run(clients, cpu, url, bodies, c) for _ in range(args.repeats)]
-                    runs.sort(key=lambda run: run["decode_tokens_per_s"])
-                    cell_out = runs[(len(runs) - 1) // 2]  # the median pass by decode tokens/s (the lower of two)
-                    cell_out["errors"] = sum(run["errors"] for run in runs)  # any run's errors count
-                    cell_out["decode_tokens_per_s_runs"] = [run["decode_tokens_per_s"] for run in runs]
-                    out[(label(mode, budget), c)] = cell_out
-                    print(f"server ({api_servers} API) {label(mode, budget)} c={c}: {cell_out['decode_tokens_per_s']:.1f} decode tokens/s, "
-                          f"TTFT p50 {cell_out['ttft_p50_ms']} ms, CPU {cell_out}", flush=True)
+        for kind in args.clients:
+            with ClientPool(args.client_processes, kind) as clients:
+                for mode, budget in modes:
+                    clients.run(url, make_bodies(client_args, prompts, mode, budget, 4, model, 0), 2)  # warm-up
+                    for c in args.concurrency:
+                        cell = cell_prompts(prompts, c, args.requests)
+                        bodies = make_bodies(client_args, cell, mode, budget, len(cell), model, 0)
+                        runs = [_server_run(clients, cpu, url, bodies, c) for _ in range(args.repeats)]
+                        runs.sort(key=lambda run: run["decode_tokens_per_s"])
+                        cell_out = runs[(len(runs) - 1) // 2]  # the median pass by decode tokens/s (the lower of two)
+                        cell_out["errors"] = sum(run["errors"] for run in runs)  # any run's errors count
+                        cell_out["decode_tokens_per_s_runs"] = [run["decode_tokens_per_s"] for run in runs]
+                        out[(kind, label(mode, budget), c)] = cell_out
+                        print(f"server ({api_servers} API, {kind}) {label(mode, budget)} c={c}: "
+                              f"{cell_out['decode_tokens_per_s']:.1f} decode tokens/s, TTFT p50 {cell_out['ttft_p50_ms']} "
+                              f"ms, CPU {cell_out}", flush=True)
     finally:
         stop(server)
     return out
@@ -154,6 +158,8 @@ def main() -> None:
                         help="processes the streamed clients are spread over (one asyncio loop each)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="passes per cell, engine and server alike: each reports its median pass")
+    parser.add_argument("--clients", nargs="+", choices=CLIENTS, default=["aiohttp"],
+                        help="the streamed clients' HTTP library, each over the same server (the bars are the first's)")
     parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1],
                         help="one server per count (`ddtree serve --api-server-count`), one after another; the "
                              "bars are the last count's")
@@ -170,34 +176,38 @@ def main() -> None:
     engine = engine_cells(args, prompts, modes)
     rows = []
     for count in args.api_server_counts:
-        for (name, c), cell in server_cells(args, prompts, modes, count).items():
+        for (kind, name, c), cell in server_cells(args, prompts, modes, count).items():
             mine = engine[(name, c)]
-            rows.append({"mode": name, "concurrency": c, "api_servers": count,
+            rows.append({"mode": name, "concurrency": c, "api_servers": count, "client": kind,
                          **{f"engine_{k}": v for k, v in mine.items()}, **{f"server_{k}": v for k, v in cell.items()},
                          "server_over_engine": cell["decode_tokens_per_s"] / mine["decode_tokens_per_s"]})
     bars = {}
     for count in args.api_server_counts:  # the last count's are the bars
-        mine = [r for r in rows if r["api_servers"] == count]
+        mine = [r for r in rows if r["api_servers"] == count and r["client"] == args.clients[0]]
         gaps = [r["server_ttft_p50_ms"] - r["engine_ttft_p50_ms"] for r in mine if r["concurrency"] == 1
                 and r["server_ttft_p50_ms"] is not None and r["engine_ttft_p50_ms"] is not None]
         bars.update({"server_over_engine_min": min(r["server_over_engine"] for r in mine),
-                     "ttft_gap_ms_c1": max(gaps) if gaps else None, "api_servers": count})
+                     "ttft_gap_ms_c1": max(gaps) if gaps else None, "api_servers": count, "client": args.clients[0]})
     payload = {"environment": env, "device": args.device, "max_tokens": args.max_tokens, "modes": args.modes,
                "repeats": args.repeats,
-               "client_processes": args.client_processes, "api_server_counts": args.api_server_counts,
+               "client_processes": args.client_processes, "clients": args.clients,
+               "client_versions": {kind: client_version(kind) for kind in args.clients},
+               "api_server_counts": args.api_server_counts,
                "concurrency": args.concurrency, "rows": rows, "bars": bars}
     table = (f"The demo pair on {args.device}: the same prompts ({args.max_tokens} tokens each, EOS ignored) from c "
              "clients through the engine in this process (max_batch = c) and through `ddtree serve` (streamed HTTP); "
              "decode tokens/s on both sides: the tokens after each request's first over the wall time less the "
              "clients' summed times to first token. ttft_gap_ms_c1: the largest, over modes, of the server's TTFT "
-             "p50 at c = 1 less the engine's. 'engine, burst': the engine's figure as this benchmark took it "
+             "p50 at c = 1 less the engine's (the bars: the first client library's cells). 'engine, burst': the "
+             "engine's figure as this benchmark took it "
              "before 2026-12-07 (all prompts added at once, their prefill-only wall time taken off).\n\n"
              + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {'-' if v is None else v}"
                          for k, v in bars.items()) + "\n\n"
-             + markdown_table(["mode", "c", "API servers", "engine decode tokens/s", "server decode tokens/s",
+             + markdown_table(["mode", "c", "API servers", "client", "engine decode tokens/s", "server decode tokens/s",
                                "server / engine", "engine, burst", "TTFT p50 ms: engine / server", "errors",
                                "CPU: busiest HTTP (all HTTP) / core / client"],
-                              [[r["mode"], r["concurrency"], r["api_servers"], f"{r['engine_decode_tokens_per_s']:.1f}",
+                              [[r["mode"], r["concurrency"], r["api_servers"], r["client"],
+                                f"{r['engine_decode_tokens_per_s']:.1f}",
                                 f"{r['server_decode_tokens_per_s']:.1f}", f"{r['server_over_engine']:.3f}",
                                 f"{r['engine_burst_decode_tokens_per_s']:.1f}",
                                 f"{_ms(r['engine_ttft_p50_ms'])} / {_ms(r['server_ttft_p50_ms'])}",

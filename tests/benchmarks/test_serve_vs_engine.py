@@ -18,11 +18,14 @@ import serve_vs_engine  # noqa: E402
 def test_the_benchmark_writes_both_sides_and_the_bars(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["serve_vs_engine.py", "--device", "cpu", "--concurrency", "1", "2", "--modes", "ar",
                                       "--max-tokens", "4", "--requests", "2", "--client-processes", "2", "--repeats", "2",
-                                      "--out-dir", str(tmp_path)])
+                                      "--clients", "aiohttp", "httpx", "--out-dir", str(tmp_path)])
     serve_vs_engine.main()
     payload = json.loads(next(tmp_path.glob("serve_vs_engine-*.json")).read_text())
-    row, pair = payload["rows"]
-    assert [(r["mode"], r["concurrency"], r["server_errors"]) for r in (row, pair)] == [("ar", 1, 0), ("ar", 2, 0)]
+    row, pair, *other = payload["rows"]  # aiohttp's cells, then httpx's over the same server
+    assert [(r["mode"], r["concurrency"], r["client"], r["server_errors"]) for r in payload["rows"]] == [
+        ("ar", 1, "aiohttp", 0), ("ar", 2, "aiohttp", 0), ("ar", 1, "httpx", 0), ("ar", 2, "httpx", 0)]
+    assert all(r["server_tokens"] == 8 and r["server_decode_tokens_per_s"] > 0 for r in other)
+    assert payload["bars"]["client"] == "aiohttp" and set(payload["client_versions"]) == {"aiohttp", "httpx"}
     assert row["engine_decode_tokens_per_s"] > 0 and row["server_decode_tokens_per_s"] > 0
     assert payload["repeats"] == 2 and len(row["server_decode_tokens_per_s_runs"]) == 2
     assert row["server_decode_tokens_per_s"] in row["server_decode_tokens_per_s_runs"]

@@ -119,6 +119,20 @@ async def _post(client, url: str, body: dict):
         yield r.status, lines(), text
 
 
+async def warm_client(client, url: str) -> None:
+    """One streamed read of the server's /health through `client`: the library's own first-use costs
+    (its connection, lazily imported parts) paid before anything is timed, and nothing of the
+    server's generation path run."""
+    if isinstance(client, httpx.AsyncClient):
+        async with client.stream("GET", f"{url}/health") as r:
+            async for _ in r.aiter_lines():
+                pass
+        return
+    async with client.get(f"{url}/health") as r:
+        async for _ in r.content:
+            pass
+
+
 def _client_errors() -> tuple[type, ...]:
     try:
         import aiohttp

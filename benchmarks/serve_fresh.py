@@ -7,7 +7,8 @@ wait for a compile or a capture?
 One `ddtree serve` on the demo pair (--serve-args passed on), timed from its start to its first
 /health answer; then every cell (mode x concurrency: serve_bench's streamed clients, its default
 prompts, EOS ignored) twice over: the first pass is the server's first traffic, no warm-up of
-ours; the second finds every shape the first ran. Per cell the TTFT p50 / p99 of both passes
+ours (each pass's client first reads /health once, so that the client library's own first-use
+costs are not counted as the server's); the second finds every shape the first ran. Per cell the TTFT p50 / p99 of both passes
 and the server's ddtree_eager_rounds / ddtree_round_graphs growth over the cell (/metrics: rounds
 run without a graph, graphs captured; 0 on the CPU), and the TTFT of the cell's first-sent request
 and its largest (a tail of one request, the server's first, or of many). The JSON's `bars`: fresh_over_warm_ttft_p99_max
@@ -28,7 +29,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, markdown_table, write_results  # noqa: E402
-from serve_bench import load_prompts, make_bodies, parse_modes, run_cell, summarize  # noqa: E402
+from serve_bench import (CLIENTS, load_prompts, make_bodies, open_client, parse_modes, run_cell,  # noqa: E402
+                         summarize, warm_client)
 from serve_vs_generate import free_port, start_server, stop  # noqa: E402
 
 COUNTS = ("ddtree_eager_rounds", "ddtree_round_graphs")
@@ -49,14 +51,11 @@ def graph_counts(url: str) -> dict[str, float]:
 
 async def one_pass(url: str, args, prompts: list[str], modes, model: str) -> dict:
     """(mode label, c) -> the cell's serve_bench summary and its growth of COUNTS."""
-    import httpx
-
-    connections = max(args.concurrency) + 4
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     client_args = argparse.Namespace(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
                                      seed=0 if args.temperature > 0 else None)
     out = {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), limits=limits) as client:
+    async with open_client(args.client, max(args.concurrency) + 4) as client:
+        await warm_client(client, url)  # the client's first-use costs are not the fresh server's
         for mode, budget in modes:
             for c in args.concurrency:
                 count = args.requests or max(16, 4 * c)
@@ -91,6 +90,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests per cell (default max(16, 4 c))")
     parser.add_argument("--serve-args", default="--warm-modes ar,chain,ddtree:16,ddtree:auto",
                         help="more `ddtree serve` flags, one string (the modes it warms at start-up among them)")
+    parser.add_argument("--client", choices=CLIENTS, default="aiohttp", help="the streamed clients' HTTP library")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
     import torch
@@ -124,6 +124,7 @@ def main() -> None:
             "eager_rounds_first_pass": sum(r["fresh"]["eager_rounds"] for r in rows),
             "errors": sum(r["fresh"]["errors"] + r["warm"]["errors"] for r in rows)}
     payload = {"environment": env, "device": args.device, "modes": args.modes, "concurrency": args.concurrency,
+               "client": args.client,
                "max_tokens": args.max_tokens, "temperature": args.temperature, "serve_args": args.serve_args,
                "start_up_s": start_up_s, "graph_counts_at_ready": at_ready, "rows": rows, "bars": bars}
     table = (f"`ddtree serve {args.serve_args}` on {args.device}, the demo pair: {start_up_s:.1f} s from its start to "

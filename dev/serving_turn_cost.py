@@ -28,7 +28,8 @@ from ddtree.server.engine_core import EngineCore  # noqa: E402
 from ddtree.server.jobs import Chunk, Handle, Job, Usage  # noqa: E402
 from ddtree.server.outputs import TextOutputs  # noqa: E402
 from ddtree.server.responses import ResponseShape  # noqa: E402
-from ddtree.server.scheduler import Scheduler, _Live  # noqa: E402
+from ddtree.server.live import Live  # noqa: E402
+from ddtree.server.scheduler import Scheduler  # noqa: E402
 from ddtree.server.wire import joined_from_wire, to_wire  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def core_turn_us(requests: int, repeats: int) -> float:
     lives = []
     for r in range(requests):
         job = Job(rid(r), [1, 2, 3], None, 128, {"temperature": 0.0}, "ar", 1)
-        lives.append(_Live(job, outbox.handle(rid(r)), 20, 0.0, started=True))
+        lives.append(Live(job, outbox.handle(rid(r)), 20, 0.0, started=True))
     outputs = [SimpleNamespace(request_id=rid(r), new_token_ids=[7], finished=False, new_text=None, finish_reason=None)
                for r in range(requests)]
 

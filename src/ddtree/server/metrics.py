@@ -113,3 +113,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def graph_counts(engine) -> dict:
+    """Rounds run eagerly (a plan's first round, or one past the graph limit) and round graphs
+    captured since start-up (the gauges ddtree_eager_rounds / ddtree_round_graphs read them from the
+    scheduler's snapshot): growth while serving is compile and capture on the request path."""
+    graphs = engine.graphs
+    return {"eager_rounds": graphs.eager_rounds if graphs is not None else 0,
+            "round_graphs": graphs.captures if graphs is not None else 0}

@@ -24,7 +24,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +32,8 @@ from ..parallel.relay import RankLost
 from .errors import APIError, internal_error
 from .jobs import Accepted, Failed, Handle, Job
 from .limits import Limits
-from .metrics import Metrics
+from .live import Live
+from .metrics import Metrics, graph_counts
 from .prompts import encode, sampling_params
 
 log = logging.getLogger("ddtree.server")
@@ -41,17 +41,6 @@ log = logging.getLogger("ddtree.server")
 
 class QueueFull(Exception):
     """The bounded queue of requests waiting for a batch slot is full."""
-
-
-@dataclass
-class _Live:
-    job: Job
-    handle: Handle
-    prompt_tokens: int
-    accepted_at: float
-    started: bool = False  # had its first output: admitted into the batch
-    produced: int = 0
-    rounds: int = 0  # outputs after the first (the prefill's): its rounds, about
 
 
 class Scheduler:
@@ -72,7 +61,7 @@ class Scheduler:
         self.limits = limits or Limits()
         self._draining = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}  # scheduler thread only
+        self._live: dict[str, Live] = {}  # scheduler thread only
         self._lock = threading.Lock()  # guards _queued, and orders submit's put against stop
         self._queued = 0
         self._stop = threading.Event()
@@ -228,7 +217,7 @@ class Scheduler:
         except Exception:
             log.exception("request %s: failed while being added to the engine", rid)
             return self._reject(handle, internal_error(rid))
-        self._live[rid] = _Live(job, handle, len(ids), time.perf_counter())
+        self._live[rid] = Live(job, handle, len(ids), time.perf_counter())
         self.metrics.prompt_tokens.inc(len(ids))
         handle.push(Accepted(len(ids)))
 
@@ -324,35 +313,24 @@ class Scheduler:
         for rid in failed:
             self._fail(rid, internal_error(rid))
 
-    def _deliver(self, live: _Live, out, now: float) -> None:
+    def _deliver(self, live: Live, out, now: float) -> None:
         """Push the step's output to its request's handle."""
-        rid = out.request_id
         if not live.started:
-            live.started = True
             self._unqueue()
             self.metrics.time_to_first_token.observe(now - live.accepted_at)
-        else:
-            live.rounds += 1
         count = len(out.new_token_ids)
-        live.produced += count
-        job = live.job
-        sampled = bool(job.sampling.get("temperature"))  # greedy (temperature 0) draws no noise: no seed
+        live.record(count)
         tokens = tuple(out.new_token_ids)
-        if not out.finished:  # the usage's fields so far (jobs.Usage's order): no objects per token in a core
-            usage = (live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
-                     live.rounds, (live.produced - 1) / live.rounds if live.rounds else 0.0,
-                     job.sampling.get("seed") if sampled else None)
-            live.handle.push_chunk(out.new_text or "", count, usage, None, tokens)
+        if not out.finished:
+            live.handle.push_chunk(out.new_text or "", count, live.usage_so_far(), None, tokens)
             return
-        result = self.engine.take_result(rid)
-        del self._live[rid]
+        result = self.engine.take_result(out.request_id)
+        del self._live[out.request_id]
         stats = result.stats
-        usage = (live.prompt_tokens, live.produced, job.mode, job.budget if job.mode == "ddtree" else None,
-                 stats.rounds, stats.mean_acceptance_length, result.seed if sampled else None)
         self.metrics.acceptance_length.observe_counts(collections.Counter(stats.acceptance_lengths))
         self.metrics.tree_size.observe_counts(collections.Counter(stats.tree_sizes))
         self.metrics.request_seconds.observe(now - live.accepted_at)
-        live.handle.push_chunk(out.new_text or "", count, usage, out.finish_reason, tokens)
+        live.handle.push_chunk(out.new_text or "", count, live.final_usage(result), out.finish_reason, tokens)
 
     def _publish(self) -> None:
         blocks = self.engine.blocks
@@ -363,10 +341,3 @@ class Scheduler:
         self.snapshot = snapshot
         self.metrics.publish(snapshot)
 
-
-def graph_counts(engine) -> dict:
-    """Rounds run eagerly (a plan's first round, or one past the graph limit) and round graphs
-    captured since start-up: growth while serving is compile and capture on the request path."""
-    graphs = engine.graphs
-    return {"eager_rounds": graphs.eager_rounds if graphs is not None else 0,
-            "round_graphs": graphs.captures if graphs is not None else 0}

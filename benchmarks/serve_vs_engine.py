@@ -18,7 +18,7 @@ Both sides' decode tokens/s: the tokens after each request's first over the cell
 the clients' mean time to first token summed per client (the time each client waited for its
 requests' first tokens). Each cell, engine and server alike, runs --repeats passes and reports its
 median pass (the lower middle one of an even count): single passes of a cell moved by up to 2.4x on
-one H100. Beside it, one pass of the engine's figure as this benchmark took it before (all prompts
+one H100. With --burst, beside it, one pass of the engine's figure as this benchmark took it before (all prompts
 added at once, the wall time of the same prompts at max_new_tokens = 1 taken off): it subtracted
 prefills batched c at a time while the timed run prefilled arrivals a few at a time.
 
@@ -70,7 +70,7 @@ def engine_cells(args, prompts: list[str], modes) -> dict:
             runs = sorted((run_clients(engine, cell, c, params, kind) for _ in range(args.repeats)),
                           key=lambda run: run["decode_tokens_per_s"])
             run = runs[(len(runs) - 1) // 2]  # the median pass (the lower of two), as the server's
-            burst, _ = burst_decode_tokens_per_s(engine, cell, params, kind)
+            burst = burst_decode_tokens_per_s(engine, cell, params, kind)[0] if args.burst else None
             out[(label(mode, budget), c)] = {
                 "decode_tokens_per_s": run["decode_tokens_per_s"], "ttft_p50_ms": run["ttft_p50_ms"],
                 "decode_tokens_per_s_runs": [r["decode_tokens_per_s"] for r in runs],
@@ -140,6 +140,10 @@ def server_cells(args, prompts: list[str], modes, api_servers: int) -> dict:
     return out
 
 
+def _rate(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def _ms(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -158,6 +162,8 @@ def main() -> None:
                         help="processes the streamed clients are spread over (one asyncio loop each)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="passes per cell, engine and server alike: each reports its median pass")
+    parser.add_argument("--burst", action="store_true",
+                        help="also the engine's figure as taken before 2026-12-07 (two more engine passes a cell)")
     parser.add_argument("--clients", nargs="+", choices=CLIENTS, default=["aiohttp"],
                         help="the streamed clients' HTTP library, each over the same server (the bars are the first's)")
     parser.add_argument("--api-server-counts", type=int, nargs="+", default=[1],
@@ -198,7 +204,7 @@ def main() -> None:
              "clients through the engine in this process (max_batch = c) and through `ddtree serve` (streamed HTTP); "
              "decode tokens/s on both sides: the tokens after each request's first over the wall time less the "
              "clients' summed times to first token. ttft_gap_ms_c1: the largest, over modes, of the server's TTFT "
-             "p50 at c = 1 less the engine's (the bars: the first client library's cells). 'engine, burst': the "
+             "p50 at c = 1 less the engine's (the bars: the first client library's cells). 'engine, burst' (--burst): the "
              "engine's figure as this benchmark took it "
              "before 2026-12-07 (all prompts added at once, their prefill-only wall time taken off).\n\n"
              + "\n".join(f"- {k}: {v:.3f}" if isinstance(v, float) else f"- {k}: {'-' if v is None else v}"
@@ -209,7 +215,7 @@ def main() -> None:
                               [[r["mode"], r["concurrency"], r["api_servers"], r["client"],
                                 f"{r['engine_decode_tokens_per_s']:.1f}",
                                 f"{r['server_decode_tokens_per_s']:.1f}", f"{r['server_over_engine']:.3f}",
-                                f"{r['engine_burst_decode_tokens_per_s']:.1f}",
+                                _rate(r["engine_burst_decode_tokens_per_s"]),
                                 f"{_ms(r['engine_ttft_p50_ms'])} / {_ms(r['server_ttft_p50_ms'])}",
                                 r["server_errors"], f"{r['server_http_cpu']:.2f} ({r['server_http_cpu_sum']:.2f}) / "
                                 f"{r['server_core_cpu']:.2f} / "

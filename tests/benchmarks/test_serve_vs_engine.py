@@ -18,7 +18,7 @@ import serve_vs_engine  # noqa: E402
 def test_the_benchmark_writes_both_sides_and_the_bars(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["serve_vs_engine.py", "--device", "cpu", "--concurrency", "1", "2", "--modes", "ar",
                                       "--max-tokens", "4", "--requests", "2", "--client-processes", "2", "--repeats", "2",
-                                      "--clients", "aiohttp", "httpx", "--out-dir", str(tmp_path)])
+                                      "--clients", "aiohttp", "httpx", "--burst", "--out-dir", str(tmp_path)])
     serve_vs_engine.main()
     payload = json.loads(next(tmp_path.glob("serve_vs_engine-*.json")).read_text())
     row, pair, *other = payload["rows"]  # aiohttp's cells, then httpx's over the same server

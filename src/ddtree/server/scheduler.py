@@ -340,4 +340,3 @@ class Scheduler:
                     **graph_counts(self.engine)}
         self.snapshot = snapshot
         self.metrics.publish(snapshot)
-

@@ -51,6 +51,23 @@ if kind == "raw":  # the request's bytes built once, one kept-alive socket: the 
         while not seen.endswith(b"0\r\n\r\n"):  # the chunked body's end
             seen += sock.recv(65536)
     sys.exit()
+if kind == "aiohttp":  # serve_bench's default client library
+    import asyncio, aiohttp
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            for i in range(n + 3):  # the first three warm up
+                await asyncio.sleep(0.02)
+                log.write(f"{time.perf_counter_ns()} {i} client_send\n")
+                first = True
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data:") and first:
+                            log.write(f"{time.perf_counter_ns()} {i} client_first_event\n")
+                            first = False
+
+    asyncio.run(run())
+    sys.exit()
 with httpx.Client(timeout=60) as client:
     for i in range(n + 3):  # the first three warm up
         time.sleep(0.02)
@@ -158,8 +175,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--mode", choices=["ar", "ddtree"], default="ar")
-    parser.add_argument("--client", choices=["httpx", "raw"], default="httpx",
-                        help="httpx (as serve_bench) or raw: the request's bytes on one socket, no client library")
+    parser.add_argument("--client", choices=["httpx", "aiohttp", "raw"], default="httpx",
+                        help="httpx (sync), aiohttp (serve_bench's default) or raw: the request's bytes on one "
+                             "socket, no client library")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the core's first step of the first request and of the first measured one")
     args = parser.parse_args()

@@ -81,11 +81,14 @@ CLIENTS = ("aiohttp", "httpx")  # aiohttp, as vLLM's serving benchmark: less of 
 
 @contextlib.asynccontextmanager
 async def open_client(kind: str, connections: int, timeout_s: float = 600.0):
-    """An HTTP client session of `kind` (CLIENTS) for `connections` streams at once."""
+    """An HTTP client session of `kind` (CLIENTS) for `connections` streams at once; timeout_s bounds
+    each read (a connection 30 s)."""
     if kind == "aiohttp":
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s, connect=30.0),
+        # timeout_s per read, as httpx's: a long stream is not cut while it keeps coming
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0,
+                                                                       sock_read=timeout_s),
                                          connector=aiohttp.TCPConnector(limit=connections)) as session:
             yield session
     elif kind == "httpx":
@@ -325,7 +328,7 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help=".jsonl ({'prompt': ...}), .json list, or one per line")
     parser.add_argument("--model", default=None, help="model id (default: the server's first in /v1/models)")
     parser.add_argument("--gpu-name", default=None, help="GPU name to record (default: the server's /health)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a read of a response may wait")
     parser.add_argument("--client", choices=CLIENTS, default="aiohttp",
                         help="the HTTP client library (aiohttp, as vLLM's benchmark; httpx, as OpenAI's SDK)")
     parser.add_argument("--name", default="serve_bench", help="results file name")

@@ -255,3 +255,44 @@ def test_a_tokenizer_that_does_not_pickle_leaves_the_text_in_the_core(pairs, ref
     with LiveServer(create_app(core, config)) as live:
         _assert_a_stop_string_ends_it_as_served_alone(live.url, reference)  # decoded and cut in the core
         live.wait_idle()
+
+
+def _slow_first_step(target, drafter, seconds: float):
+    engine = Engine.from_pretrained(target, drafter, max_batch=2, **ENGINE_ARGS)
+    step, calls = engine.step, []
+
+    def slow():
+        calls.append(None)
+        if len(calls) == 1:
+            time.sleep(seconds)  # a compile, a capture or a long prefill on the request path
+        return step()
+
+    engine.step = slow
+    return engine
+
+
+def test_a_scrape_is_answered_while_a_step_runs(pairs):
+    """With several API servers the core keeps the one registry and answers every scrape; its main
+    thread reads the sockets beside the scheduler thread, so a scrape does not wait for a step (a
+    version that read them between steps answered after the step, or 503 past 5 s)."""
+    build = functools.partial(_slow_first_step, str(pairs["target_chat"]), str(pairs["drafter"]), 4.0)
+    core = EngineCore(build, engine_facts, max_queue=8, api_servers=2)  # the second API server never attaches
+    core.launch()
+    with LiveServer(create_app(core, ServerConfig(model_name="tiny", default_mode="ar"))) as live:
+        done = {}
+
+        def generate():
+            done["status"] = httpx.post(f"{live.url}/v1/completions", json={"prompt": "hello", "max_tokens": 3,
+                                                                              "temperature": 0}, timeout=60).status_code
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(1.0)  # the first step is running now
+        start = time.monotonic()
+        scrape = httpx.get(f"{live.url}/metrics", timeout=30)
+        elapsed = time.monotonic() - start
+        thread.join(30)
+        assert scrape.status_code == 200 and "ddtree_requests_running" in scrape.text
+        assert elapsed < 2.0, f"the scrape waited {elapsed:.2f} s for the step"
+        assert done == {"status": 200}
+        live.wait_idle()

@@ -1,9 +1,6 @@
 """The engine-core process's side (engine_core.py is the HTTP process's): it builds the Engine,
 runs the scheduler loop (scheduler.py) with handles and metrics that record into one batch per
-turn, and sends each turn's batch to the HTTP processes without waiting for them. The scheduler
-thread also reads the HTTP processes' messages (at each turn's drain; waiting on the socket when
-idle): a submission reaches the loop with no hand-over between threads. The main thread only waits,
-and ends the core when its parent has gone.
+turn, and sends each turn's batch to the HTTP processes without waiting for them.
 
 Several API-server processes (`ddtree serve --api-server-count N`, as vLLM's): each binds its own
 pair of sockets and the core connects to all of them; a request's events go to the process that
@@ -19,6 +16,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import zmq
 
@@ -158,31 +156,25 @@ def core_main(to_core: list[str], from_core: list[str], build, facts_of, schedul
     # several API servers: the one registry is here (each scrape asks for it; replicas in each process
     # would lag by different amounts, and a counter read from two of them could go back)
     registry = Metrics() if len(from_core) > 1 else None
-
-    def read_input(timeout_s: float) -> None:  # the scheduler thread, at each drain: the socket is its alone
-        if not inbox.poll(int(timeout_s * 1000)):
-            return
-        while True:
-            try:
-                message = inbox.recv_pyobj(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if message[0] == "stop":
-                scheduler.request_stop()
-                return
-            _serve_message(message, scheduler, frontends, outbox, registry)
-
     scheduler = Scheduler(engine, registry or _RecordedMetrics(outbox), on_turn=flush, handle_of=outbox.handle,
-                          read_input=read_input, **{**scheduler_args, "detokenize": decodes_here})
+                          **{**scheduler_args, "detokenize": decodes_here})
     frontends.send_all(("ready", facts, scheduler.snapshot, tokenizer, decodes_here))
     scheduler.start()
-    parent = multiprocessing.parent_process()
+    parent, looked = multiprocessing.parent_process(), time.monotonic()
     try:
         with frozen_heap():  # what start-up built stays out of the collections serving triggers
-            while scheduler.alive:  # busy or not: the server gone, so is its core
-                if parent is not None and not parent.is_alive():
+            while scheduler.alive:
+                ready = inbox.poll(POLL_MS)
+                if time.monotonic() - looked >= POLL_MS / 1000:  # busy or not (other API servers keep sending)
+                    looked = time.monotonic()
+                    if parent is not None and not parent.is_alive():  # the server is gone: so is its core
+                        break
+                if not ready:
+                    continue
+                message = inbox.recv_pyobj()
+                if message[0] == "stop":
                     break
-                scheduler.wait(POLL_MS / 1000)
+                _serve_message(message, scheduler, frontends, outbox, registry)
     finally:
         scheduler.stop()
         frontends.send_turn(*outbox.take(), scheduler.snapshot, force=True)  # what the last turns left pending

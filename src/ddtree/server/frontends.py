@@ -24,8 +24,7 @@ def _ends(item: tuple) -> bool:
 
 class Frontends:
     """The API-server processes' output sockets, and which process each live request came from.
-    Sends come from the scheduler thread (turns, scrapes) and, once it has ended, the core's main
-    thread (the last turn, "died"): one lock all the same."""
+    Sends come from the scheduler thread (turns) and the core's main thread (scrapes): one lock."""
 
     def __init__(self, context, addresses: list[str]):
         self.sockets = []

@@ -45,19 +45,16 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, engine, metrics: Metrics, *, max_queue: int = 256, idle_wait_s: float = 0.1,
-                 limits: Limits | None = None, on_turn=None, handle_of=None, detokenize: bool = True,
-                 read_input=None):
+                 limits: Limits | None = None, on_turn=None, handle_of=None, detokenize: bool = True):
         """engine: an Engine used from this scheduler's thread only; max_queue: requests accepted
         but not yet in the batch (inbox + the engine's waiting queue) before submit refuses;
         limits: prompt length and request deadline (the rest is the HTTP side's). In an engine-core
         process (engine_core.py): on_turn(snapshot) ends every turn of the loop (and follows a
         drain that accepted requests, before the step: their Accepted go out first), handle_of(id)
         makes the handles that submit returns, and detokenize=False leaves the text and the stop
-        strings to the HTTP process (chunks carry token ids; server/outputs.py); read_input(timeout_s)
-        serves the core's socket from this thread at each drain (waiting up to timeout_s for a first
-        message), so a submission reaches the loop without another thread's wake-up."""
+        strings to the HTTP process (chunks carry token ids; server/outputs.py)."""
         self.engine, self.metrics, self.max_queue, self.idle_wait_s = engine, metrics, max_queue, idle_wait_s
-        self.on_turn, self.handle_of, self.detokenize, self.read_input = on_turn, handle_of, detokenize, read_input
+        self.on_turn, self.handle_of, self.detokenize = on_turn, handle_of, detokenize
         self.limits = limits or Limits()
         self._draining = threading.Event()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -78,18 +75,9 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        self.request_stop()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-    def request_stop(self) -> None:
-        """stop() without waiting for the thread (from the thread itself: a "stop" read from the socket)."""
         with self._lock:  # after this no submit puts: the thread's final drain sees every job put before
             self._stop.set()
         self._inbox.put(None)
-
-    def wait(self, timeout_s: float) -> None:
-        """Wait up to timeout_s for the loop's thread to end."""
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -173,9 +161,6 @@ class Scheduler:
     def _drain(self, block: bool) -> bool:
         """Apply what the inbox holds (waiting up to idle_wait_s for a first item when `block`);
         returns whether a submission was among it."""
-        if self.read_input is not None:  # what the socket holds goes through submit / abort into the inbox
-            self.read_input(self.idle_wait_s if block and self._inbox.empty() else 0.0)
-            block = False
         try:
             item = self._inbox.get(timeout=self.idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -315,11 +300,12 @@ class Scheduler:
 
     def _deliver(self, live: Live, out, now: float) -> None:
         """Push the step's output to its request's handle."""
-        if not live.started:
+        first = not live.started
+        count = len(out.new_token_ids)
+        live.record(count)  # started from here: a failure below does not unqueue it again (_fail)
+        if first:
             self._unqueue()
             self.metrics.time_to_first_token.observe(now - live.accepted_at)
-        count = len(out.new_token_ids)
-        live.record(count)
         tokens = tuple(out.new_token_ids)
         if not out.finished:
             live.handle.push_chunk(out.new_text or "", count, live.usage_so_far(), None, tokens)

@@ -100,18 +100,18 @@ async def open_client(kind: str, connections: int, timeout_s: float = 600.0):
 
 
 @contextlib.asynccontextmanager
-async def _post(client, url: str, body: dict):
-    """POST `body` as JSON with either client: (status, an async iterator of the response's lines
-    without their line ends, a coroutine function reading the rest as text)."""
+async def _request(client, method: str, url: str, body: dict | None = None):
+    """One request (a JSON `body` if any) with either client: (status, an async iterator of the
+    response's lines without their line ends, a coroutine function reading the rest as text)."""
     if isinstance(client, httpx.AsyncClient):
-        async with client.stream("POST", url, json=body) as r:
+        async with client.stream(method, url, json=body) as r:
             async def text() -> str:
                 return (await r.aread()).decode(errors="replace")
 
             yield r.status_code, r.aiter_lines(), text
         return
 
-    async with client.post(url, json=body) as r:
+    async with client.request(method, url, json=body) as r:
         async def lines():
             async for line in r.content:
                 yield line.decode().rstrip("\r\n")
@@ -126,13 +126,8 @@ async def warm_client(client, url: str) -> None:
     """One streamed read of the server's /health through `client`: the library's own first-use costs
     (its connection, lazily imported parts) paid before anything is timed, and nothing of the
     server's generation path run."""
-    if isinstance(client, httpx.AsyncClient):
-        async with client.stream("GET", f"{url}/health") as r:
-            async for _ in r.aiter_lines():
-                pass
-        return
-    async with client.get(f"{url}/health") as r:
-        async for _ in r.content:
+    async with _request(client, "GET", f"{url}/health") as (_, lines, _text):
+        async for _ in lines:
             pass
 
 
@@ -152,7 +147,7 @@ async def one_request(client, url: str, body: dict) -> dict:
               "sent": sent}
     last, seen = None, 0
     try:
-        async with _post(client, f"{url}/v1/completions", body) as (status, lines, text):
+        async with _request(client, "POST", f"{url}/v1/completions", body) as (status, lines, text):
             if status != 200:
                 record["error"] = f"HTTP {status}: {(await text())[:200]}"
                 return record

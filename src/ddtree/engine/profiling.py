@@ -90,7 +90,6 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
                                                    "torch": torch.__version__})
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=0)
-    vocab = engine.target.cfg.vocab_size
     start = time.perf_counter()
     log.info("measuring round costs for batch buckets %s x tree sizes %s (budget auto's table; once per pair and "
              "device, then kept)", buckets, list(sizes))
@@ -99,7 +98,7 @@ def measure_round_costs(engine, buckets: list[int], *, prefix: int | None = None
         row = table.seconds.setdefault(bucket, {})
         for p in range(passes):
             for size in sizes if p % 2 == 0 else sizes[::-1]:
-                prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
+                prompts = stand_in_prompts(engine, bucket, prefix, gen)
                 seconds, tokens = _time_steps(engine, prompts, params, size, warmup, repeats)
                 if seconds < row.get(size, float("inf")):
                     row[size] = seconds
@@ -124,12 +123,12 @@ def capture_round_graphs(engine, buckets: list[int], *, warmup: int = 3,
     engine.drain()
     prefix, new_tokens, fit = stand_in_geometry(engine, None, max(len(_warm_sizes(s, warmup)) for s in (0, 1)) + 1)
     buckets = [b for b in buckets if b <= fit]
-    start, gen, vocab = time.perf_counter(), torch.Generator().manual_seed(0), engine.target.cfg.vocab_size
+    start, gen = time.perf_counter(), torch.Generator().manual_seed(0)
     params = dataclasses.replace(params or SamplingParams(seed=0), max_new_tokens=new_tokens, ignore_eos=True,
                                  stop=(), stop_token_ids=())  # every stand-in runs every step
     for bucket in buckets:
         for size in engine.sizer.sizes:
-            prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
+            prompts = stand_in_prompts(engine, bucket, prefix, gen)
             _time_steps(engine, prompts, params, size, warmup, 1)
     log.info("captured the round graphs of batch buckets %s x tree sizes %s in %.1f s", buckets,
              list(engine.sizer.sizes), time.perf_counter() - start)
@@ -173,6 +172,12 @@ def _time_steps(engine, prompts: list[list[int]], params: SamplingParams, size: 
             return statistics.median(times), statistics.mean(tokens)
     finally:
         sizer.forced, sizer.forced_set_aside = None, True
+
+
+def stand_in_prompts(engine, count: int, length: int, gen: torch.Generator) -> list[list[int]]:
+    """`count` random prompts of `length` token ids of the target's vocabulary, drawn from `gen`."""
+    vocab = engine.target.cfg.vocab_size
+    return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(count)]
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from .prefill_graphs import FLAG_SETTINGS
-from .profiling import buckets_up_to, capture_round_graphs, stand_in_geometry, stand_ins
+from .profiling import buckets_up_to, capture_round_graphs, stand_in_geometry, stand_in_prompts, stand_ins
 from .sampling import SamplingParams
 
 log = logging.getLogger("ddtree.engine")
@@ -66,13 +66,13 @@ def capture_mode_graphs(engine, modes: list[tuple[str, int | str | None]], *, pr
 
     bar = tqdm(total=len(buckets) * len(FLAG_SETTINGS) * (len(fixed) + auto), desc="capturing round graphs",
                unit="shape", disable=not progress)
-    gen, vocab = torch.Generator().manual_seed(0), engine.target.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
     for temperature, top_k in FLAG_SETTINGS:
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=temperature, top_k=top_k,
                                 seed=0)
         for bucket in buckets:
             for mode, budget in fixed:
-                prompts = [torch.randint(0, vocab, (prefix,), generator=gen).tolist() for _ in range(bucket)]
+                prompts = stand_in_prompts(engine, bucket, prefix, gen)
                 _run_stand_ins(engine, prompts, params, mode, budget)
                 bar.update(1)
             if auto and temperature > 0 and not capture_round_graphs(engine, [bucket], params=params):

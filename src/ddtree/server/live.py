@@ -33,13 +33,14 @@ class Live:
 
     def usage_so_far(self) -> tuple:
         """The usage of a chunk before the last: its rounds counted here, the mean acceptance from them."""
-        job = self.job
-        return (self.prompt_tokens, self.produced, job.mode, job.budget if job.mode == "ddtree" else None,
-                self.rounds, (self.produced - 1) / self.rounds if self.rounds else 0.0,
-                job.sampling.get("seed") if self.sampled else None)
+        acceptance = (self.produced - 1) / self.rounds if self.rounds else 0.0
+        return self._usage(self.rounds, acceptance, self.job.sampling.get("seed"))
 
     def final_usage(self, result) -> tuple:
         """The usage of the last chunk: rounds and acceptance by the engine's statistics (its Result)."""
-        job, stats = self.job, result.stats
-        return (self.prompt_tokens, self.produced, job.mode, job.budget if job.mode == "ddtree" else None,
-                stats.rounds, stats.mean_acceptance_length, result.seed if self.sampled else None)
+        return self._usage(result.stats.rounds, result.stats.mean_acceptance_length, result.seed)
+
+    def _usage(self, rounds: int, acceptance: float, seed) -> tuple:
+        job = self.job
+        return (self.prompt_tokens, self.produced, job.mode, job.budget if job.mode == "ddtree" else None, rounds,
+                acceptance, seed if self.sampled else None)
